@@ -1,0 +1,34 @@
+# The README's two commands: `make run` (the main job) and `make test` (the tests).
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: run test install dev mosquitto model clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+$(VENV)/.dev: $(VENV)/.installed
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+dev: $(VENV)/.dev
+
+mosquitto:
+	@command -v mosquitto >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q mosquitto; }
+
+run: install
+	$(VENV)/bin/edgetune probe
+	$(VENV)/bin/edgetune bench --all --default
+
+test: dev mosquitto
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,62 @@
+"""`edgetune VERB`: one dispatcher; each package registers its own verbs.
+
+Exit codes: 0 ok, 1 failure, 2 usage or bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from edgetune import __version__
+from edgetune.errors import EdgetuneError
+from edgetune.output import err_console
+
+# Each module exposes register(subparsers); a verb's handler is set with set_defaults(func=...).
+VERB_MODULES = ["hwprobe.cli", "kernels.cli", "tuner.cli", "daemon.cli", "fleet.cli"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 too, but say it our way
+        self.print_usage(sys.stderr)
+        err_console.print(f"[red]error:[/red] {message}")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="edgetune", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"edgetune {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    for name in VERB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # that package has no verbs yet
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except EdgetuneError as e:
+        err_console.print(f"[red]error:[/red] {e}", highlight=False)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Where state, cache and the control socket live.
+
+systemd hands a service $STATE_DIRECTORY, $CACHE_DIRECTORY and $RUNTIME_DIRECTORY; an installed copy run
+as root uses the FHS dirs; a user (or a checkout) falls back to per-user XDG dirs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_CHECKOUT = (Path(__file__).resolve().parent.parent / "pyproject.toml").exists()
+
+
+def _system_wide() -> bool:
+    return os.geteuid() == 0 and not _CHECKOUT
+
+
+def _pick(env: str, system: str, xdg_env: str, xdg_default: Path) -> Path:
+    # systemd may pass several dirs separated by ':'; the first is ours.
+    if os.environ.get(env):
+        return Path(os.environ[env].split(":")[0])
+    if _system_wide():
+        return Path(system)
+    return Path(os.environ.get(xdg_env) or xdg_default) / "edgetune"
+
+
+def _ensure(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def state_dir() -> Path:
+    return _ensure(_pick("STATE_DIRECTORY", "/var/lib/edgetune", "XDG_STATE_HOME", Path.home() / ".local/state"))
+
+
+def cache_dir() -> Path:
+    return _ensure(_pick("CACHE_DIRECTORY", "/var/cache/edgetune", "XDG_CACHE_HOME", Path.home() / ".cache"))
+
+
+def runtime_dir() -> Path:
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return _ensure(Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0]))
+    if _system_wide():
+        return _ensure(Path("/run/edgetune"))
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return _ensure(Path(os.environ["XDG_RUNTIME_DIR"]) / "edgetune")
+    return _ensure(Path(f"/tmp/edgetune-{os.getuid()}"))
+
+
+def config_dir() -> Path:
+    """Not created: a missing config dir just means defaults."""
+    if os.environ.get("CONFIGURATION_DIRECTORY"):
+        return Path(os.environ["CONFIGURATION_DIRECTORY"].split(":")[0])
+    return Path("/etc/edgetune")

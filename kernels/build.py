@@ -1,0 +1,110 @@
+"""Compile one kernel config into a content-hashed shared object (the backend half of the runner/backend split)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from edgetune import paths
+from edgetune.errors import EdgetuneError
+from kernels.space import Config
+from kernels.spec import C_DIR, HEADER, KernelSpec
+
+COMPILE_TIMEOUT_S = 60.0
+
+
+class CompilerMissing(EdgetuneError):
+    """No C compiler: nothing can be built until one is installed."""
+
+
+class CompileError(EdgetuneError):
+    """The compiler rejected a variant or timed out; the message carries its trimmed stderr."""
+
+
+@dataclass(frozen=True)
+class Build:
+    path: Path
+    key: str
+    seconds: float
+    cached: bool
+
+
+def knob_flags(cfg: Config) -> list[str]:
+    """Knob `name=v` becomes -DET_NAME=v; a string value becomes the flag -DET_NAME_VALUE."""
+    flags = []
+    for name, v in sorted(cfg.items()):
+        macro = "ET_" + name.upper()
+        flags.append(f"-D{macro}_{str(v).upper()}" if isinstance(v, str) else f"-D{macro}={v}")
+    return flags
+
+
+def find_compiler(hw: Any = None) -> str:
+    cc = os.environ.get("CC") or (hw.compiler.path if hw is not None and hw.compiler.path else None)
+    cc = shutil.which(cc) if cc else (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
+    if not cc:
+        raise CompilerMissing(
+            "no C compiler found (looked at $CC, cc, gcc, clang); install one (e.g. `apt-get install gcc`) "
+            "or point CC at it"
+        )
+    return cc
+
+
+def compile_command(spec: KernelSpec, cfg: Config, hw: Any, out: Path, cc: str) -> list[str]:
+    threaded = int(cfg.get("threads", 1)) > 1
+    return [
+        cc, "-O3", *([f"-march={hw.march}"] if hw.march else []), "-fPIC", "-shared", *(["-fopenmp"] if threaded else []),
+        f"-I{C_DIR}", *knob_flags(cfg), str(spec.source), "-o", str(out), "-lm",
+    ]
+
+
+def build(spec: KernelSpec, cfg: Config, hw: Any, *, timeout_s: float = COMPILE_TIMEOUT_S) -> Build:
+    """Build (or reuse) the .so for `cfg`. The key covers source, headers, flags, knobs and compiler id."""
+    cc = find_compiler(hw)
+    probe_cmd = compile_command(spec, cfg, hw, Path("OUT"), cc)
+    h = hashlib.sha256()
+    for p in (spec.source, HEADER, *spec.extra_headers):
+        h.update(p.read_bytes())
+    h.update("\0".join(probe_cmd[1:]).encode())
+    h.update(hw.compiler.id.encode())
+    key = h.hexdigest()[:20]
+    out_dir = paths.cache_dir() / "builds"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{spec.name}-{key}.so"
+    if out.exists():
+        return Build(out, key, 0.0, True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            compile_command(spec, cfg, hw, tmp, cc), capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        tmp.unlink(missing_ok=True)
+        raise CompileError(f"{spec.name} {cfg}: compile timed out after {timeout_s:.0f}s")
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        lines = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines()
+        raise CompileError(f"{spec.name} {cfg}: compiler failed: " + "\n".join(lines[:8]))
+    os.replace(tmp, out)  # atomic: a concurrent builder of the same key is harmless
+    return Build(out, key, time.perf_counter() - t0, False)
+
+
+def build_many(spec: KernelSpec, cfgs: Iterable[Config], hw: Any, jobs: int | None = None) -> list[Build | CompileError]:
+    """Compile a batch in parallel (one job per usable core); failures come back in place, not raised."""
+
+    def one(cfg: Config) -> Build | CompileError:
+        try:
+            return build(spec, cfg, hw)
+        except CompileError as e:
+            return e
+
+    cfgs = list(cfgs)
+    with ThreadPoolExecutor(max_workers=jobs or max(1, getattr(hw, "cores", 1))) as pool:
+        return list(pool.map(one, cfgs))

@@ -1,0 +1,200 @@
+/* conv2d_3x3: regular 3x3 convolution, pad 1, stride 1 or 2, fp32, no bias.
+ *   Y[oy,ox,co] = sum_{ky,kx,ci} X[oy*S-1+ky, ox*S-1+kx, ci] * Wt[ky,kx,ci,co]   (out-of-range X reads as 0)
+ * Layouts: X NHWC [H,W,Cin], Wt HWIO [3,3,Cin,Cout], Y NHWC [Ho,Wo,Cout], Ho = (H-1)/S + 1, Wo = (W-1)/S + 1.
+ * dims: H, W, Cin, Cout, stride. bufs: X, Wt, Y.
+ *
+ * Each call packs the weights into zero-padded panels of CV*VEC output channels (so the channel tail runs the
+ * same vector code and only its stores are partial), then computes register tiles of WT output pixels (along a
+ * row) x CV vectors of output channels. Border pixels (the first/last output columns whose taps fall in the
+ * padding) run one-pixel tiles with clamped taps; border rows clamp ky.
+ * Knobs: CV vectors of output channels per tile, WT output pixels per tile, VEC floats per vector, UNROLL of
+ * the Cin loop, ORDER of the reduction (ky_kx_ci: taps outer, contiguous Cin inner; ci_ky_kx: Cin outer, the
+ * 9 taps inner, with the panel laid out to match), OUTER loop (rows: output rows outer, so the input rows stay
+ * hot; panels: channel panels outer, so one weight panel stays hot across the image), PREFETCH distance in Cin
+ * steps of the weight stream (0 = off), THREADS over (output row, channel panel) pairs.
+ */
+#ifndef ET_CV
+#define ET_CV 2
+#endif
+#ifndef ET_WT
+#define ET_WT 4
+#endif
+#ifndef ET_UNROLL
+#define ET_UNROLL 2
+#endif
+#if !defined(ET_ORDER_KY_KX_CI) && !defined(ET_ORDER_CI_KY_KX)
+#define ET_ORDER_KY_KX_CI
+#endif
+#if !defined(ET_OUTER_ROWS) && !defined(ET_OUTER_PANELS)
+#define ET_OUTER_ROWS
+#endif
+#include "edgetune_kernel.h"
+
+#include <stdlib.h>
+
+#if ET_WT < 1 || ET_WT > 8
+#error "ET_WT must be in 1..8"
+#endif
+
+#define NT (ET_CV * ET_VEC) /* output channels per panel */
+#define WT_MAX 8
+#define ET_INLINE static inline __attribute__((always_inline))
+
+/* Offset of (tap t = ky*3+kx, input channel ci) in a packed panel, in units of NT floats. */
+#ifdef ET_ORDER_CI_KY_KX
+#define PIDX(t, ci, Cin) ((int64_t)(ci) * 9 + (t))
+#else
+#define PIDX(t, ci, Cin) ((int64_t)(t) * (Cin) + (ci))
+#endif
+
+static void pack_weights(const float *Wt, float *Wp, int64_t Cin, int64_t Cout, int64_t npanels) {
+    const int64_t psize = 9 * Cin * NT;
+    for (int64_t p = 0; p < npanels; p++) {
+        const int64_t co0 = p * NT, n = Cout - co0 < NT ? Cout - co0 : NT;
+        float *dst = Wp + p * psize;
+        for (int t = 0; t < 9; t++)
+            for (int64_t ci = 0; ci < Cin; ci++) {
+                float *d = dst + PIDX(t, ci, Cin) * NT;
+                const float *s = Wt + (t * Cin + ci) * Cout + co0;
+                memcpy(d, s, sizeof(float) * n);
+                if (n < NT) memset(d + n, 0, sizeof(float) * (NT - n));
+            }
+    }
+}
+
+/* One register tile: P output pixels starting at (oy, ox0), one panel. Taps ky in [ky0, ky1), kx in [kx0, kx1)
+ * are the in-range ones (P == 1 whenever kx is clamped). nco < NT means a partial channel tail. */
+ET_INLINE void tile(const float *X, const float *panel, float *Y, int64_t W, int64_t Cin, int64_t Cout,
+                    int64_t iy0, int64_t ix0, int ky0, int ky1, int kx0, int kx1, const int P, const int S,
+                    int64_t nco) {
+    et_vf acc[WT_MAX][ET_CV];
+    ET_PRAGMA_UNROLL(8)
+    for (int p = 0; p < P; p++)
+        ET_PRAGMA_UNROLL(4)
+        for (int v = 0; v < ET_CV; v++) acc[p][v] = et_splat(0.0f);
+    const int64_t xs = (int64_t)S * Cin; /* input floats between neighbouring output pixels */
+#ifdef ET_ORDER_CI_KY_KX
+    ET_PRAGMA_UNROLL(ET_UNROLL)
+    for (int64_t ci = 0; ci < Cin; ci++) {
+#if ET_PREFETCH > 0
+        for (int j = 0; j < 9 * NT; j += 16) __builtin_prefetch(panel + (ci + ET_PREFETCH) * 9 * NT + j, 0, 3);
+#endif
+        for (int ky = ky0; ky < ky1; ky++)
+            for (int kx = kx0; kx < kx1; kx++) {
+                const float *w = panel + PIDX(ky * 3 + kx, ci, Cin) * NT;
+                const float *x = X + ((iy0 + ky) * W + ix0 + kx) * Cin + ci;
+                et_vf wv[ET_CV];
+                ET_PRAGMA_UNROLL(4)
+                for (int v = 0; v < ET_CV; v++) wv[v] = et_load(w + v * ET_VEC);
+                ET_PRAGMA_UNROLL(8)
+                for (int p = 0; p < P; p++) {
+                    const et_vf a = et_splat(x[p * xs]);
+                    ET_PRAGMA_UNROLL(4)
+                    for (int v = 0; v < ET_CV; v++) acc[p][v] += a * wv[v];
+                }
+            }
+    }
+#else
+    for (int ky = ky0; ky < ky1; ky++)
+        for (int kx = kx0; kx < kx1; kx++) {
+            const float *w = panel + PIDX(ky * 3 + kx, 0, Cin) * NT;
+            const float *x = X + ((iy0 + ky) * W + ix0 + kx) * Cin;
+            ET_PRAGMA_UNROLL(ET_UNROLL)
+            for (int64_t ci = 0; ci < Cin; ci++) {
+#if ET_PREFETCH > 0
+                for (int j = 0; j < NT; j += 16) __builtin_prefetch(w + (ci + ET_PREFETCH) * NT + j, 0, 3);
+#endif
+                et_vf wv[ET_CV];
+                ET_PRAGMA_UNROLL(4)
+                for (int v = 0; v < ET_CV; v++) wv[v] = et_load(w + ci * NT + v * ET_VEC);
+                ET_PRAGMA_UNROLL(8)
+                for (int p = 0; p < P; p++) {
+                    const et_vf a = et_splat(x[p * xs + ci]);
+                    ET_PRAGMA_UNROLL(4)
+                    for (int v = 0; v < ET_CV; v++) acc[p][v] += a * wv[v];
+                }
+            }
+        }
+#endif
+    if (nco == NT) {
+        ET_PRAGMA_UNROLL(8)
+        for (int p = 0; p < P; p++)
+            ET_PRAGMA_UNROLL(4)
+            for (int v = 0; v < ET_CV; v++) et_store(Y + p * Cout + v * ET_VEC, acc[p][v]);
+    } else {
+        for (int p = 0; p < P; p++) {
+            float tmp[NT];
+            for (int v = 0; v < ET_CV; v++) et_store(tmp + v * ET_VEC, acc[p][v]);
+            memcpy(Y + p * Cout, tmp, sizeof(float) * nco);
+        }
+    }
+}
+
+/* Interior tile of P pixels: all kx taps in range; the ky range is specialised when the row is interior. */
+#define INTERIOR(P)                                                                                          \
+    do {                                                                                                     \
+        if (ky0 == 0 && ky1 == 3)                                                                            \
+            tile(X, panel, y + ox * Cout, W, Cin, Cout, iy0, ox * S - 1, 0, 3, 0, 3, (P), S, nco);          \
+        else                                                                                                 \
+            tile(X, panel, y + ox * Cout, W, Cin, Cout, iy0, ox * S - 1, ky0, ky1, 0, 3, (P), S, nco);      \
+    } while (0)
+
+/* One output row x one channel panel. */
+ET_INLINE void row(const float *X, const float *panel, float *y, int64_t H, int64_t W, int64_t Cin,
+                   int64_t Cout, int64_t Wo, int64_t oy, int64_t nco, const int S) {
+    const int64_t iy0 = oy * S - 1;
+    const int ky0 = iy0 < 0 ? (int)-iy0 : 0, ky1 = H - iy0 < 3 ? (int)(H - iy0) : 3;
+    /* interior columns: ox*S-1 >= 0 and ox*S+1 <= W-1 */
+    const int64_t lo = Wo < 1 ? Wo : 1;
+    int64_t hi = W >= 2 ? (W - 2) / S + 1 : 0;
+    if (hi > Wo) hi = Wo;
+    if (hi < lo) hi = lo;
+    for (int64_t ox = 0; ox < Wo; ox++) {
+        if (ox == lo) { /* interior run [lo, hi) */
+            for (; ox + ET_WT <= hi; ox += ET_WT) INTERIOR(ET_WT);
+            switch (hi - ox) {
+            case 0: break;
+#define REM(n) case n: if (n < ET_WT) INTERIOR(n); break;
+            REM(1) REM(2) REM(3) REM(4) REM(5) REM(6) REM(7)
+#undef REM
+            }
+            ox = hi;
+            if (ox >= Wo) break;
+        }
+        const int64_t ix0 = ox * S - 1;
+        const int kx0 = ix0 < 0 ? (int)-ix0 : 0, kx1 = W - ix0 < 3 ? (int)(W - ix0) : 3;
+        tile(X, panel, y + ox * Cout, W, Cin, Cout, iy0, ix0, ky0, ky1, kx0, kx1, 1, S, nco);
+    }
+}
+
+ET_INLINE int conv(const int64_t *dims, float *const *bufs, const int S) {
+    const int64_t H = dims[0], W = dims[1], Cin = dims[2], Cout = dims[3];
+    const int64_t Ho = (H - 1) / S + 1, Wo = (W - 1) / S + 1;
+    const float *X = bufs[0], *Wt = bufs[1];
+    float *Y = bufs[2];
+    const int64_t npanels = (Cout + NT - 1) / NT, psize = 9 * Cin * NT;
+    float *Wp = aligned_alloc(64, ((sizeof(float) * npanels * psize + 63) / 64) * 64);
+    if (!Wp) return 3;
+    pack_weights(Wt, Wp, Cin, Cout, npanels);
+#ifdef ET_OUTER_PANELS
+    ET_PARALLEL_FOR_COLLAPSE2
+    for (int64_t p = 0; p < npanels; p++)
+        for (int64_t oy = 0; oy < Ho; oy++) {
+#else
+    ET_PARALLEL_FOR_COLLAPSE2
+    for (int64_t oy = 0; oy < Ho; oy++)
+        for (int64_t p = 0; p < npanels; p++) {
+#endif
+            const int64_t co0 = p * NT, nco = Cout - co0 < NT ? Cout - co0 : NT;
+            row(X, Wp + p * psize, Y + oy * Wo * Cout + co0, H, W, Cin, Cout, Wo, oy, nco, S);
+        }
+    free(Wp);
+    return 0;
+}
+
+static int et_kernel(const int64_t *dims, float *const *bufs) {
+    if (dims[0] < 1 || dims[1] < 1 || dims[2] < 1 || dims[3] < 1) return 1;
+    if (dims[4] == 1) return conv(dims, bufs, 1);
+    if (dims[4] == 2) return conv(dims, bufs, 2);
+    return 2; /* unsupported stride */
+}

@@ -1,0 +1,134 @@
+"""Verbs `kernels` (what is bundled) and `bench` (measure one config in place)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+
+from edgetune.errors import BadInput
+from edgetune.output import emit, fmt, json_flag, progress, table
+from kernels.build import build
+from kernels.registry import all_specs, get_spec
+from kernels.roofline import roofline_fraction
+from kernels.space import format_config
+from kernels.spec import KernelSpec, Workload
+from kernels.worker import Runner
+from kernels.workloads import resolve
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kernels", help="list bundled kernels, workloads, knobs and space sizes")
+    json_flag(p)
+    p.add_argument("--isa", help="cap the ISA (space sizes depend on vector width)")
+    p.set_defaults(func=cmd_kernels)
+
+    p = sub.add_parser("bench", help="measure one config of a kernel on a workload, in place")
+    p.add_argument("kernel", nargs="?", help="kernel name (see `edgetune kernels`)")
+    p.add_argument("--workload", help="bundled workload name")
+    p.add_argument("--shape", help="custom shape, e.g. M=196,N=576,K=96 (see `edgetune kernels`)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--config", help='JSON object of knobs, e.g. \'{"vec": 8, "threads": 2}\'; missing knobs take defaults')
+    g.add_argument("--default", action="store_true", help="the kernel's default config (the default)")
+    p.add_argument("--all", action="store_true", help="every bundled kernel and workload (default config)")
+    p.add_argument("--ort", action="store_true", help="also time the onnxruntime twin")
+    p.add_argument("--isa", help="cap the ISA, e.g. x86-64-v3")
+    json_flag(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def _hw(isa: str | None, bandwidth: bool = False) -> Any:
+    from hwprobe import probe
+
+    return probe(isa_cap=isa, measure_bandwidth=bandwidth)
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    hw = _hw(args.isa)
+    out = []
+    for spec in all_specs().values():
+        out.append({
+            "name": spec.name, "domain": spec.domain, "summary": spec.summary,
+            "shape": [{"name": d.name, "help": d.help, **({"choices": list(d.choices)} if d.choices else {})} for d in spec.dims],
+            "knobs": {p.name: list(p.values) for p in spec.params},
+            "default": spec.default,
+            "workloads": [{"name": w.name, "shape": w.shape, "source": w.source,
+                           "space_size": spec.space(w.shape, hw).size()} for w in spec.workloads],
+        })
+
+    def render(rows: list[dict]) -> None:
+        table("bundled kernels", ["kernel", "domain", "shape (--shape)", "knobs", "workloads (valid configs)"], [
+            [k["name"], k["domain"], ",".join(d["name"] + "=" for d in k["shape"]),
+             "\n".join(f"{n}: {' '.join(map(str, v))}" for n, v in k["knobs"].items()),
+             "\n".join(f"{w['name']} ({w['space_size']})" for w in k["workloads"])]
+            for k in rows])
+
+    emit(out, args.json, render)
+    return 0
+
+
+def bench_one(spec: KernelSpec, wl: Workload, cfg: dict, hw: Any, runner: Runner, with_ort: bool) -> dict:
+    """Build, check and time one config; optionally the ORT twin on the same inputs."""
+    m = runner.measure(spec, wl.shape, build(spec, cfg, hw).path)
+    row: dict[str, Any] = {
+        "kernel": spec.name, "workload": wl.name, "shape": wl.shape, "config": cfg, "ms": m.ms, "cv": m.cv,
+        "reps_used": m.reps_used, "reps": m.reps, "ok": m.ok, "reason": m.reason, "max_abs_err": m.max_abs_err,
+        "load1": m.load1, "gflops": None, "roofline": None,
+    }
+    if m.ok:
+        row["gflops"] = spec.flops(wl.shape) / (m.ms * 1e6)
+        row["roofline"] = roofline_fraction(row["gflops"], spec.flops(wl.shape), spec.bytes_moved(wl.shape),
+                                            int(cfg.get("threads", 1)), hw)
+    if with_ort:
+        from kernels.ort_twin import run_ort
+
+        r = run_ort(spec, wl.shape, spec.make_inputs(wl.shape, np.random.default_rng(0)), threads=hw.cores)
+        row["ort_ms"] = r.ms
+        row["ort_ratio"] = (m.ms / r.ms) if m.ok else None
+    return row
+
+
+def _parse_config(text: str) -> dict:
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"--config is not valid JSON ({e.msg} at column {e.colno}): {text!r}")
+    if not isinstance(cfg, dict):
+        raise BadInput(f"--config must be a JSON object of knobs, got {type(cfg).__name__}")
+    return cfg
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.all:
+        targets = [(s, w) for s in all_specs().values() for w in s.workloads]
+    else:
+        if not args.kernel:
+            raise BadInput("name a kernel (see `edgetune kernels`) or pass --all")
+        spec = get_spec(args.kernel)
+        targets = [(spec, resolve(spec, args.workload, args.shape))]
+    hw = _hw(args.isa, bandwidth=True)
+    rows = []
+    with Runner() as runner, progress(not args.json) as bar:
+        task = bar.add_task("bench", total=len(targets)) if bar else None
+        for spec, wl in targets:
+            space = spec.space(wl.shape, hw)
+            cfg = space.validate(_parse_config(args.config)) if args.config else space.valid_default()
+            if bar:
+                bar.update(task, description=f"{spec.name}/{wl.name}")
+            rows.append(bench_one(spec, wl, cfg, hw, runner, args.ort))
+            if bar:
+                bar.advance(task)
+
+    def render(rs: list[dict]) -> None:
+        table(None, ["kernel", "workload", "config", "ms", "cv", "reps", "ok", "max_abs_err"]
+              + (["ort_ms", "ms/ort"] if args.ort else []) + ["GFLOP/s", "roofline"], [
+            [r["kernel"], r["workload"], format_config(r["config"]), fmt(r["ms"], 4), fmt(r["cv"], 3),
+             r["reps_used"], "yes" if r["ok"] else f"NO: {r['reason']}",
+             "-" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2g}"]
+            + ([fmt(r["ort_ms"], 4), fmt(r["ort_ratio"], 2)] if args.ort else [])
+            + [fmt(r["gflops"], 2), fmt(r["roofline"], 2)] for r in rs])
+
+    emit(rows if args.all else rows[0], args.json, lambda d: render(d if args.all else [d]))
+    return 0 if all(r["ok"] for r in rows) else 1

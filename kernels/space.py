@@ -1,0 +1,163 @@
+"""Typed search spaces: the vocabulary a kernel spec declares its knobs in.
+
+It lives in `kernels` (not `tuner`) because every spec declares one and `kernels` sits above `tuner`;
+strategies and the grammar export in `tuner` consume it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal, Mapping
+
+from edgetune.errors import BadInput
+
+Value = int | str
+Config = dict[str, Value]
+Shape = dict[str, int]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One knob; `values` are in their natural order, which neighbours and the grammar follow."""
+
+    name: str
+    kind: Literal["pow2", "enum", "int"]
+    values: tuple[Value, ...]
+    help: str = ""
+
+    def coerce(self, v: Any) -> Value:
+        """Accept "8" for 8 (JSON/CLI input); reject anything not in the allowed values."""
+        for allowed in self.values:
+            if v == allowed or (isinstance(allowed, int) and isinstance(v, str) and v.strip().lstrip("-").isdigit() and int(v) == allowed):
+                return allowed
+        raise BadInput(f"knob {self.name}={v!r} is not allowed; allowed values: {', '.join(map(str, self.values))}")
+
+
+def pow2(name: str, lo: int, hi: int, help: str = "") -> Param:
+    assert lo > 0 and lo & (lo - 1) == 0 and hi & (hi - 1) == 0
+    return Param(name, "pow2", tuple(1 << i for i in range(int(math.log2(lo)), int(math.log2(hi)) + 1)), help)
+
+
+def enum(name: str, *values: Value, help: str = "") -> Param:
+    return Param(name, "enum", tuple(values), help)
+
+
+def int_range(name: str, lo: int, hi: int, step: int = 1, help: str = "") -> Param:
+    return Param(name, "int", tuple(range(lo, hi + 1, step)), help)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A predicate over (config, shape, hw); `why` is shown when it rejects a config."""
+
+    why: str
+    holds: Callable[[Config, Shape, Any], bool]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """A kernel's knobs bound to one workload shape and one device, so constraints can be evaluated."""
+
+    params: tuple[Param, ...]
+    constraints: tuple[Constraint, ...]
+    default: Config
+    shape: Shape
+    hw: Any  # hwprobe.HwDescriptor (or any object with the attributes the constraints read)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def violations(self, cfg: Config) -> list[str]:
+        return [c.why for c in self.constraints if not c.holds(cfg, self.shape, self.hw)]
+
+    def is_valid(self, cfg: Config) -> bool:
+        return all(c.holds(cfg, self.shape, self.hw) for c in self.constraints)
+
+    def validate(self, cfg: Mapping[str, Any], *, complete: bool = False) -> Config:
+        """Coerce and check a user config; missing knobs take the default unless `complete`.
+
+        Raises BadInput naming the knob and what is allowed, or the constraint that failed.
+        """
+        unknown = set(cfg) - set(self.names)
+        if unknown:
+            raise BadInput(f"unknown knob(s) {', '.join(sorted(unknown))}; knobs are: {', '.join(self.names)}")
+        if complete and set(cfg) != set(self.names):
+            raise BadInput(f"config is missing knob(s): {', '.join(n for n in self.names if n not in cfg)}")
+        out: Config = {p.name: p.coerce(cfg[p.name]) if p.name in cfg else self.default[p.name] for p in self.params}
+        bad = self.violations(out)
+        if bad:
+            raise BadInput(f"config {format_config(out)} violates: {'; '.join(bad)}")
+        return out
+
+    def valid_default(self) -> Config:
+        """The spec's default, nudged to the nearest valid config when a constraint (e.g. a capped ISA) rejects it."""
+        if self.is_valid(self.default):
+            return dict(self.default)
+        best = min((c for c in self.enumerate()), key=lambda c: self.distance(c, self.default), default=None)
+        if best is None:
+            raise BadInput(f"no valid config exists for shape {self.shape}")
+        return best
+
+    def size(self) -> int:
+        return sum(1 for _ in self.enumerate())
+
+    def cardinality(self) -> int:
+        """Size of the unconstrained cross product (cheap; an upper bound on size())."""
+        return math.prod(len(p.values) for p in self.params)
+
+    def enumerate(self) -> Iterator[Config]:
+        for combo in itertools.product(*(p.values for p in self.params)):
+            cfg = dict(zip(self.names, combo))
+            if self.is_valid(cfg):
+                yield cfg
+
+    def sample(self, n: int, rng: random.Random, exclude: set[str] | None = None) -> list[Config]:
+        """Up to n distinct valid configs, uniformly by rejection; deterministic for a seeded rng."""
+        seen = set(exclude or ())
+        out: list[Config] = []
+        for _ in range(max(200, n * 200)):
+            if len(out) >= n:
+                break
+            cfg = {p.name: rng.choice(p.values) for p in self.params}
+            key = config_key(cfg)
+            if key in seen or not self.is_valid(cfg):
+                continue
+            seen.add(key)
+            out.append(cfg)
+        return out
+
+    def neighbours(self, cfg: Config) -> list[Config]:
+        """Valid configs one step away in one knob (adjacent value in the knob's order)."""
+        out = []
+        for p in self.params:
+            i = p.values.index(cfg[p.name])
+            for j in (i - 1, i + 1):
+                if 0 <= j < len(p.values):
+                    n = dict(cfg)
+                    n[p.name] = p.values[j]
+                    if self.is_valid(n):
+                        out.append(n)
+        return out
+
+    def distance(self, a: Config, b: Config) -> int:
+        """Steps between two configs, summed over knobs; used to break ties toward the default."""
+        return sum(abs(p.values.index(a[p.name]) - p.values.index(b[p.name])) for p in self.params)
+
+
+def config_key(cfg: Mapping[str, Any]) -> str:
+    """Canonical text of a config: the dedup and DB key."""
+    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
+
+
+def format_config(cfg: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items())

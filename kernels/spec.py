@@ -1,0 +1,107 @@
+"""What a bundled kernel is: its C source, knobs, workloads, reference, ONNX twin and cost model."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+
+from edgetune.errors import BadInput
+from kernels.space import Config, Constraint, Param, SearchSpace, Shape
+
+C_DIR = Path(__file__).resolve().parent / "c"
+HEADER = C_DIR / "edgetune_kernel.h"
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One runtime shape dimension, passed to C as int64 in declaration order."""
+
+    name: str
+    help: str
+    choices: tuple[int, ...] | None = None  # e.g. stride in (1, 2); None means any positive int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named shape from a real edge model layer."""
+
+    name: str
+    shape: Shape
+    source: str = ""  # model / layer it comes from
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    domain: Literal["vision", "speech"]
+    summary: str
+    source: Path  # the C file
+    dims: tuple[Dim, ...]
+    params: tuple[Param, ...]
+    constraints: tuple[Constraint, ...]
+    default: Config
+    workloads: tuple[Workload, ...]
+    # inputs in ABI order, generated deterministically from a seeded Generator
+    make_inputs: Callable[[Shape, np.random.Generator], list[np.ndarray]]
+    output_shapes: Callable[[Shape], list[tuple[int, ...]]]
+    reference: Callable[[Shape, list[np.ndarray]], list[np.ndarray]]
+    # ONNX twin: returns a serialized onnx ModelProto whose graph inputs are the kernel inputs (same order)
+    # and whose first outputs are the kernel outputs.
+    onnx_model: Callable[[Shape], bytes]
+    flops: Callable[[Shape], float]
+    bytes_moved: Callable[[Shape], float]
+    rtol: float = 1e-4
+    atol: float = 1e-4
+    # cross-dimension rules (e.g. samples >= n_fft); returns the problems, empty when the shape is fine
+    shape_problems: Callable[[Shape], list[str]] = lambda s: []
+    extra_headers: tuple[Path, ...] = field(default_factory=tuple)
+
+    def space(self, shape: Shape, hw: Any) -> SearchSpace:
+        return SearchSpace(self.params, self.constraints, self.default, shape, hw)
+
+    def workload(self, name: str) -> Workload:
+        for w in self.workloads:
+            if w.name == name:
+                return w
+        raise BadInput(
+            f"unknown workload {name!r} for kernel {self.name}; workloads: {', '.join(w.name for w in self.workloads)}"
+        )
+
+    def validate_shape(self, shape: dict[str, Any]) -> Shape:
+        """Check a user shape: every dim present, known, a positive int, within its choices and cross-dim rules."""
+        names = [d.name for d in self.dims]
+        unknown = [k for k in shape if k not in names]
+        missing = [n for n in names if n not in shape]
+        if unknown or missing:
+            what = f"unknown dimension(s) {', '.join(unknown)}" if unknown else f"missing dimension(s) {', '.join(missing)}"
+            raise BadInput(f"{self.name}: {what}; dimensions are: {', '.join(names)}")
+        out: Shape = {}
+        for d in self.dims:
+            v = shape[d.name]
+            try:
+                iv = int(v)
+            except (TypeError, ValueError):
+                iv = 0
+            if iv <= 0 or str(v).strip() != str(iv) and v != iv:
+                raise BadInput(f"{self.name}: dimension {d.name}={v!r} must be a positive integer")
+            if d.choices and iv not in d.choices:
+                raise BadInput(f"{self.name}: dimension {d.name}={iv} not allowed; allowed: {', '.join(map(str, d.choices))}")
+            out[d.name] = iv
+        problems = self.shape_problems(out)
+        if problems:
+            raise BadInput(f"{self.name}: shape {out} is invalid: {'; '.join(problems)}")
+        return out
+
+    def dims_vector(self, shape: Shape) -> list[int]:
+        return [int(shape[d.name]) for d in self.dims]
+
+    def source_hash(self) -> str:
+        """Hash of the C source and the shared header: part of every build and result key."""
+        h = hashlib.sha256()
+        for p in (self.source, HEADER, *self.extra_headers):
+            h.update(p.read_bytes())
+        return h.hexdigest()[:16]

@@ -1,0 +1,44 @@
+"""Knobs and constraints shared by every kernel spec, and a helper to build ONNX twins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kernels.space import Constraint, Param, enum, pow2
+
+VEC = pow2("vec", 4, 16, help="floats per vector register (GCC vector extensions)")
+THREADS = enum("threads", 1, 2, 4, help="OpenMP threads")
+PREFETCH = enum("prefetch", 0, 2, 8, help="software prefetch distance (kernel-specific unit), 0 = off")
+
+VEC_FITS_ISA = Constraint(
+    "vec * 32 bits must fit the ISA's vector width", lambda c, s, hw: int(c["vec"]) * 32 <= hw.vector_bits
+)
+THREADS_FIT_CORES = Constraint("threads must not exceed usable cores", lambda c, s, hw: int(c["threads"]) <= hw.cores)
+
+
+def onnx_model(nodes: list, inputs: list[tuple[str, tuple[int, ...]]], outputs: list[tuple[str, tuple[int, ...]]],
+               initializers: list[Any] = (), opset: int = 17) -> bytes:
+    """Serialize a single-graph fp32 ONNX model (onnx is imported lazily: only the twin needs it)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        nodes, "twin",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in outputs],
+        initializer=list(initializers),
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def const(name: str, value: np.ndarray) -> Any:
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.asarray(value), name)
+
+
+def rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -1,0 +1,64 @@
+"""gemm: pointwise (1x1) convolution in NHWC and fully-connected layers, as C[M,N] = A[M,K] B[K,N]."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.space import Constraint, enum, pow2
+from kernels.spec import C_DIR, Dim, KernelSpec, Workload
+from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
+
+
+def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
+    return [rand(rng, s["M"], s["K"]), rand(rng, s["K"], s["N"], scale=1 / np.sqrt(s["K"]))]
+
+
+def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
+    return [(x[0].astype(np.float64) @ x[1].astype(np.float64)).astype(np.float32)]
+
+
+def _twin(s: dict) -> bytes:
+    from onnx import helper
+
+    return onnx_model([helper.make_node("MatMul", ["A", "B"], ["C"])],
+                      [("A", (s["M"], s["K"])), ("B", (s["K"], s["N"]))], [("C", (s["M"], s["N"]))])
+
+
+SPEC = KernelSpec(
+    name="gemm",
+    domain="vision",
+    summary="C[M,N] = A[M,K] B[K,N]: pointwise conv (M = H*W pixels) and FC layers",
+    source=C_DIR / "gemm.c",
+    dims=(Dim("M", "rows (output pixels H*W, or batch)"), Dim("N", "output channels / features"),
+          Dim("K", "input channels / features")),
+    params=(
+        enum("mr", 1, 2, 4, 8, help="rows per register tile"),
+        enum("nv", 1, 2, 4, help="vectors per register-tile row"),
+        pow2("kc", 32, 256, help="depth (K) block"),
+        VEC,
+        enum("unroll_k", 1, 2, 4, 8, help="unroll of the inner k loop"),
+        PREFETCH,
+        THREADS,
+    ),
+    constraints=(
+        VEC_FITS_ISA,
+        THREADS_FIT_CORES,
+        Constraint("mr * nv accumulators must fit 16 vector registers", lambda c, s, hw: c["mr"] * c["nv"] <= 16),
+        Constraint("kc beyond 2*K only repeats kc=K", lambda c, s, hw: c["kc"] <= max(32, 2 * s["K"])),
+    ),
+    default={"mr": 4, "nv": 2, "kc": 128, "vec": 8, "unroll_k": 4, "prefetch": 0, "threads": 1},
+    workloads=(
+        Workload("mobilenetv2.b2.expand", {"M": 3136, "N": 144, "K": 24}, "MobileNetV2 block 2 1x1 expand, 56x56"),
+        Workload("mobilenetv2.b6.project", {"M": 196, "N": 64, "K": 384}, "MobileNetV2 block 6 1x1 project, 14x14"),
+        Workload("kws_dscnn.pw4", {"M": 125, "N": 64, "K": 64}, "DS-CNN keyword spotting pointwise 4, 25x5"),
+        Workload("kws_dscnn.fc", {"M": 1, "N": 12, "K": 64}, "DS-CNN keyword spotting classifier"),
+    ),
+    make_inputs=_inputs,
+    output_shapes=lambda s: [(s["M"], s["N"])],
+    reference=_reference,
+    onnx_model=_twin,
+    flops=lambda s: 2.0 * s["M"] * s["N"] * s["K"],
+    bytes_moved=lambda s: 4.0 * (s["M"] * s["K"] + s["K"] * s["N"] + s["M"] * s["N"]),
+    rtol=1e-4,
+    atol=1e-4,
+)

@@ -1,0 +1,188 @@
+"""Measure variants in a recycled subprocess, so a segfault, hang or OpenMP runtime never reaches the caller.
+
+The parent (`Runner`) sends one JSON line per request; the worker (`python -m kernels.worker`) loads the .so
+with ctypes, checks its output against the numpy reference, then times it with the C-side bench loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernels.measure import Measurement, estimate
+from kernels.space import Shape
+from kernels.spec import KernelSpec
+
+DEFAULT_TIMEOUT_S = 30.0
+INNER_MIN_MS = 0.05  # a rep lasts at least this long, so clock overhead stays under ~1%
+RECYCLE_AFTER = 16  # distinct libraries loaded before a fresh worker (OpenMP runtimes cannot be unloaded)
+
+
+class Runner:
+    """Parent side: owns one worker process at a time and turns every failure into a failed Measurement."""
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, recycle_after: int = RECYCLE_AFTER):
+        self.timeout_s = timeout_s
+        self.recycle_after = recycle_after
+        self._proc: subprocess.Popen | None = None
+        self._loaded = 0
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> subprocess.Popen:
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kernels.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, text=True, bufsize=1,
+        )
+        self._loaded = 0
+        return self._proc
+
+    def close(self) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def measure(
+        self, spec: KernelSpec, shape: Shape, so_path: Path, *, min_time_s: float = 0.15,
+        max_reps: int = 200, seed: int = 0, timeout_s: float | None = None,
+    ) -> Measurement:
+        """Check correctness, then time. A crash, hang or wrong result comes back as ok=False with a reason."""
+        if self._proc is None or self._proc.poll() is not None or self._loaded >= self.recycle_after:
+            self.close()
+            self._start()
+        proc = self._proc
+        req = {"kernel": spec.name, "shape": shape, "so": str(so_path), "seed": seed,
+               "min_time_s": min_time_s, "max_reps": max_reps}
+        timeout = timeout_s or self.timeout_s
+        try:
+            proc.stdin.write(json.dumps(req) + "\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            return self._died(proc)
+        line = self._readline(proc, timeout)
+        if line is None:
+            self._kill()
+            return Measurement.failed(f"hung: no result within {timeout:.0f}s; worker killed")
+        if not line:
+            return self._died(proc)
+        self._loaded += 1
+        reply = json.loads(line)
+        if not reply["ok"]:
+            return Measurement(ok=False, reason=reply["reason"], max_abs_err=reply.get("max_abs_err"))
+        ms, cv, used, name = estimate(reply["wall_ms"], reply["nivcsw"])
+        return Measurement(
+            ok=True, ms=ms, cv=cv, reps=len(reply["wall_ms"]), reps_used=used, estimator=name,
+            cpu_ms=float(np.median(reply["cpu_ms"])), nivcsw=int(sum(reply["nivcsw"])),
+            max_abs_err=reply["max_abs_err"], wall_ms=reply["wall_ms"],
+        )
+
+    def _readline(self, proc: subprocess.Popen, timeout: float) -> str | None:
+        """A line, "" on EOF (the worker died), None on timeout."""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                return None
+        return proc.stdout.readline()
+
+    def _died(self, proc: subprocess.Popen) -> Measurement:
+        rc = proc.wait()
+        self._proc = None
+        what = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        return Measurement.failed(f"crashed: worker died with {what}")
+
+
+# ---- worker side -------------------------------------------------------------------------------------------
+
+_CASES: dict[tuple, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+
+
+def _case(spec: KernelSpec, shape: Shape, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Inputs and reference outputs, computed once per worker for each (kernel, shape, seed)."""
+    key = (spec.name, tuple(sorted(shape.items())), seed)
+    if key not in _CASES:
+        inputs = [np.ascontiguousarray(a, dtype=np.float32) for a in spec.make_inputs(shape, np.random.default_rng(seed))]
+        _CASES.clear()  # one case at a time keeps worker memory flat
+        _CASES[key] = (inputs, spec.reference(shape, inputs))
+    return _CASES[key]
+
+
+def _serve_one(req: dict[str, Any]) -> dict[str, Any]:
+    from kernels.registry import get_spec
+
+    spec = get_spec(req["kernel"])
+    shape = req["shape"]
+    inputs, ref = _case(spec, shape, req["seed"])
+    outputs = [np.full(s, np.nan, dtype=np.float32) for s in spec.output_shapes(shape)]
+    lib = ctypes.CDLL(req["so"], mode=ctypes.RTLD_LOCAL)
+    if lib.et_abi_version() != 1:
+        return {"ok": False, "reason": f"ABI version {lib.et_abi_version()} != 1"}
+    dims = (ctypes.c_int64 * len(spec.dims))(*spec.dims_vector(shape))
+    bufs_list = inputs + outputs
+    bufs = (ctypes.c_void_p * len(bufs_list))(*[a.ctypes.data for a in bufs_list])
+    rc = lib.et_run(dims, bufs)
+    if rc != 0:
+        return {"ok": False, "reason": f"kernel returned error code {rc}"}
+    err = 0.0
+    for out, want in zip(outputs, ref):
+        if not np.all(np.isfinite(out)):
+            return {"ok": False, "reason": "wrong values: non-finite output (unwritten or overflow)"}
+        err = max(err, float(np.max(np.abs(out - want))) if out.size else 0.0)
+        if not np.allclose(out, want, rtol=spec.rtol, atol=spec.atol):
+            return {"ok": False, "reason": f"wrong values: max_abs_err={err:.3g} beyond rtol={spec.rtol} atol={spec.atol}",
+                    "max_abs_err": err}
+    wall, cpu, niv = _bench(lib, dims, bufs, warmup=1, reps=3, inner=1)
+    call_ms = max(min(wall), 1e-5)
+    inner = int(min(10_000, max(1, math.ceil(INNER_MIN_MS / call_ms))))
+    reps = int(min(req["max_reps"], max(5, math.ceil(req["min_time_s"] * 1e3 / (call_ms * inner)))))
+    wall, cpu, niv = _bench(lib, dims, bufs, warmup=1, reps=reps, inner=inner)
+    return {"ok": True, "max_abs_err": err, "wall_ms": wall, "cpu_ms": cpu, "nivcsw": niv, "inner": inner}
+
+
+def _bench(lib: ctypes.CDLL, dims: Any, bufs: Any, *, warmup: int, reps: int, inner: int) -> tuple[list, list, list]:
+    wall, cpu, niv = (ctypes.c_double * reps)(), (ctypes.c_double * reps)(), (ctypes.c_int64 * reps)()
+    rc = lib.et_bench(warmup, reps, inner, dims, bufs, wall, cpu, niv)
+    if rc != 0:
+        raise RuntimeError(f"kernel returned error code {rc} while timing")
+    return list(wall), list(cpu), list(niv)
+
+
+def main() -> None:
+    for line in sys.stdin:
+        try:
+            reply = _serve_one(json.loads(line))
+        except Exception as e:  # a bad request must not kill the worker silently
+            reply = {"ok": False, "reason": f"worker error: {type(e).__name__}: {e}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

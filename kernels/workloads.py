@@ -1,0 +1,65 @@
+"""Resolve what a verb should run on: a bundled workload by name, or a custom shape given as text."""
+
+from __future__ import annotations
+
+from edgetune.errors import BadInput
+from kernels.space import Shape
+from kernels.spec import KernelSpec, Workload
+
+DEFAULT_MAX_INPUT_MB = 512.0  # an absurd shape is refused before anything is allocated
+
+
+def parse_shape_text(spec: KernelSpec, text: str) -> dict[str, str]:
+    """`M=196,N=576,K=96` → {"M": "196", ...}; the values are checked by spec.validate_shape."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip():
+            raise BadInput(
+                f"--shape item {part!r} is not NAME=VALUE; {spec.name} takes "
+                + ",".join(f"{d.name}=<int>" for d in spec.dims)
+            )
+        out[name.strip()] = value.strip()
+    return out
+
+
+def custom_name(spec: KernelSpec, shape: Shape) -> str:
+    """A stable generated name, so a custom shape is a first-class workload in the DB and reports."""
+    return "custom." + "-".join(f"{d.name}{shape[d.name]}" for d in spec.dims)
+
+
+def custom_workload(spec: KernelSpec, shape_text: str, max_input_mb: float = DEFAULT_MAX_INPUT_MB) -> Workload:
+    shape = spec.validate_shape(parse_shape_text(spec, shape_text))
+    mb = spec.bytes_moved(shape) / 1e6
+    if mb > max_input_mb:
+        raise BadInput(
+            f"{spec.name} shape {shape} needs about {mb:,.0f} MB of buffers, over the {max_input_mb:,.0f} MB cap "
+            "(set max_input_mb in the config to raise it)"
+        )
+    return Workload(custom_name(spec, shape), shape, "custom shape")
+
+
+def resolve(spec: KernelSpec, workload: str | None, shape_text: str | None, *,
+            max_input_mb: float = DEFAULT_MAX_INPUT_MB) -> Workload:
+    if workload and shape_text:
+        raise BadInput("give either --workload or --shape, not both")
+    if shape_text:
+        return custom_workload(spec, shape_text, max_input_mb)
+    if workload:
+        if workload.startswith("custom."):
+            return custom_workload(spec, _shape_text_from_name(spec, workload), max_input_mb)
+        return spec.workload(workload)
+    raise BadInput(f"name a workload (--workload, one of: {', '.join(w.name for w in spec.workloads)}) or give --shape")
+
+
+def _shape_text_from_name(spec: KernelSpec, name: str) -> str:
+    """Invert custom_name: `custom.M100-N200-K300` → `M=100,N=200,K=300`."""
+    parts = name.removeprefix("custom.").split("-")
+    out = []
+    for d, p in zip(spec.dims, parts):
+        if not p.startswith(d.name):
+            raise BadInput(f"{name!r} is not a custom workload name of {spec.name}")
+        out.append(f"{d.name}={p[len(d.name):]}")
+    if len(parts) != len(spec.dims):
+        raise BadInput(f"{name!r} is not a custom workload name of {spec.name}")
+    return ",".join(out)

@@ -1,0 +1,40 @@
+"""Shared fixtures: isolated state/runtime dirs per test, one build cache per session, the real machine's probe."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def build_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, build_cache, monkeypatch):
+    """Each test gets its own state and runtime dirs; compiled kernels are shared across the session."""
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path / "run"))
+    monkeypatch.setenv("CACHE_DIRECTORY", str(build_cache))
+    monkeypatch.setenv("CONFIGURATION_DIRECTORY", str(tmp_path / "etc"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def hw():
+    from hwprobe import probe
+
+    return probe(measure_bandwidth=False)
+
+
+@pytest.fixture(scope="session")
+def runner():
+    from kernels.worker import Runner
+
+    with Runner() as r:
+        yield r
