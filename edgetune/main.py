@@ -15,7 +15,7 @@ from edgetune.errors import EdgetuneError
 from edgetune.output import err_console
 
 # Each module exposes register(subparsers); a verb's handler is set with set_defaults(func=...).
-VERB_MODULES = ["hwprobe.cli", "kernels.cli", "tuner.cli", "daemon.cli", "fleet.cli"]
+VERB_MODULES = ["hwprobe.cli", "kernels.cli", "kernels.cli_workloads", "tuner.cli", "daemon.cli", "fleet.cli"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-err_console = Console(stderr=True)
-console = Console()
+err_console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=200)
+# piped output (logs, CI) gets wide tables instead of rich's 80-column default
+console = Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def json_flag(p: argparse.ArgumentParser) -> None:

@@ -38,3 +38,13 @@ def runner():
 
     with Runner() as r:
         yield r
+
+
+@pytest.fixture
+def mosquitto(tmp_path):
+    """A real broker on a free port, stopped at the end of the test."""
+    from tests.broker import Mosquitto
+
+    b = Mosquitto(tmp_path / "broker").start()
+    yield b
+    b.stop()

@@ -71,7 +71,7 @@ def _twin(s: dict) -> bytes:
     The twiddle table is the C FFT's business; the twin passes it through an Identity to a second output so every
     kernel input stays a graph input in order.
     """
-    from onnx import helper
+    from onnx import TensorProto, helper
 
     n_fft, mels, frames, samples = s["n_fft"], s["mels"], frames_of(s), s["samples"]
     bins = n_fft // 2 + 1
@@ -87,11 +87,11 @@ def _twin(s: dict) -> bytes:
         helper.make_node("Identity", ["twiddles"], ["twiddles_out"]),
     ]
     inits = [
-        helper.make_tensor("sig_shape", 7, [3], [1, samples, 1]),
-        helper.make_tensor("frame_step", 7, [], [s["hop"]]),
-        helper.make_tensor("last_axis", 7, [1], [-1]),
-        helper.make_tensor("pow_shape", 7, [2], [frames, bins]),
-        helper.make_tensor("eps", 1, [], [EPS]),
+        helper.make_tensor("sig_shape", TensorProto.INT64, [3], [1, samples, 1]),
+        helper.make_tensor("frame_step", TensorProto.INT64, [], [s["hop"]]),
+        helper.make_tensor("last_axis", TensorProto.INT64, [1], [-1]),
+        helper.make_tensor("pow_shape", TensorProto.INT64, [2], [frames, bins]),
+        helper.make_tensor("eps", TensorProto.FLOAT, [], [EPS]),
     ]
     return onnx_model(
         nodes,
@@ -148,8 +148,8 @@ SPEC = KernelSpec(
                  "keyword spotting front end (DS-CNN / TC-ResNet): 1 s @16 kHz, 30 ms windows (480 -> 512), 10 ms hop, 40 mels"),
         Workload("whisper_tiny.logmel", {"samples": 48000, "n_fft": 512, "hop": 160, "mels": 80},
                  "Whisper tiny encoder input: a 3 s chunk @16 kHz, n_fft 512 (Whisper's 400 is not pow2), hop 160, 80 mels"),
-        Workload("wakeword.stream.logmel", {"samples": 8000, "n_fft": 256, "hop": 128, "mels": 32},
-                 "streaming wake-word front end: a 0.5 s chunk @16 kHz, 16 ms windows, 8 ms hop, 32 mels"),
+        Workload("wakeword.stream.logmel", {"samples": 16000, "n_fft": 256, "hop": 128, "mels": 32},
+                 "streaming wake-word front end: a 1 s window @16 kHz, 16 ms frames, 8 ms hop, 32 mels"),
     ),
     make_inputs=_inputs,
     output_shapes=lambda s: [(frames_of(s), s["mels"])],

@@ -1,0 +1,209 @@
+/* dwconv_3x3: depthwise 3x3 convolution, pad 1, stride 1 or 2, fp32, no bias.
+ *   Y[oy,ox,c] = sum_{ky,kx} X[oy*S-1+ky, ox*S-1+kx, c] * Wt[ky,kx,c]   (out-of-range X reads as 0)
+ * Layouts: X NHWC [H,W,C], Wt [3,3,C], Y NHWC [Ho,Wo,C], Ho = (H-1)/S + 1, Wo = (W-1)/S + 1.
+ * dims: H, W, C, stride. bufs: X, Wt, Y.
+ *
+ * Register tiles of RT output rows x WT output pixels x CV channel vectors. Each input row a tile touches is
+ * loaded once and feeds every output row of the tile it belongs to (RT > 1 reuses input rows when stride is 1).
+ * Border pixels (first/last output columns) run one-pixel tiles with clamped kx; out-of-range input rows are
+ * skipped. Channels past the last full vector run a scalar tail.
+ * Knobs: CV channel vectors per tile, WT output pixels per tile, RT output rows per tile, VEC floats per vector,
+ * ORDER (c_outer: a channel tile sweeps the whole row, so its 9 weight vectors stay hot; px_outer: a pixel tile
+ * sweeps all channels, so input lines are read contiguously), PREFETCH distance in pixel tiles ahead along the
+ * row (0 = off), THREADS over row tiles.
+ */
+#ifndef ET_CV
+#define ET_CV 2
+#endif
+#ifndef ET_WT
+#define ET_WT 4
+#endif
+#ifndef ET_RT
+#define ET_RT 1
+#endif
+#if !defined(ET_ORDER_C_OUTER) && !defined(ET_ORDER_PX_OUTER)
+#define ET_ORDER_C_OUTER
+#endif
+#include "edgetune_kernel.h"
+
+#if ET_WT < 1 || ET_WT > 8
+#error "ET_WT must be in 1..8"
+#endif
+#if ET_RT < 1 || ET_RT > 4
+#error "ET_RT must be in 1..4"
+#endif
+
+#define WT_MAX 8
+#define ET_INLINE static inline __attribute__((always_inline))
+
+/* R output rows from oy0 x P output pixels from ox0 x CVN vectors from channel c0. kx in [kx0, kx1) are the
+ * in-range taps (P == 1 whenever they are clamped); input rows outside [0, H) are skipped. */
+ET_INLINE void tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
+                    int64_t oy0, const int R, int64_t ox0, const int P, int64_t c0, const int CVN, const int S,
+                    int kx0, int kx1) {
+    et_vf acc[ET_RT][WT_MAX][ET_CV];
+    ET_PRAGMA_UNROLL(4)
+    for (int r = 0; r < R; r++)
+        ET_PRAGMA_UNROLL(8)
+        for (int p = 0; p < P; p++)
+            ET_PRAGMA_UNROLL(4)
+            for (int v = 0; v < CVN; v++) acc[r][p][v] = et_splat(0.0f);
+    const int64_t iy0 = oy0 * S - 1, ix0 = ox0 * S - 1, xs = (int64_t)S * C;
+    ET_PRAGMA_UNROLL(10)
+    for (int j = 0; j < (R - 1) * S + 3; j++) { /* input rows of the tile */
+        const int64_t iy = iy0 + j;
+        if (iy < 0 || iy >= H) continue;
+        for (int kx = kx0; kx < kx1; kx++) {
+            const float *x = X + (iy * W + ix0 + kx) * C + c0;
+#if ET_PREFETCH > 0
+            for (int v = 0; v < CVN * ET_VEC; v += 16) __builtin_prefetch(x + ET_PREFETCH * P * xs + v, 0, 3);
+#endif
+            et_vf w[ET_RT][ET_CV];
+            ET_PRAGMA_UNROLL(4)
+            for (int r = 0; r < R; r++) {
+                const int ky = j - r * S;
+                if (ky >= 0 && ky < 3)
+                    ET_PRAGMA_UNROLL(4)
+                    for (int v = 0; v < CVN; v++) w[r][v] = et_load(Wt + (ky * 3 + kx) * C + c0 + v * ET_VEC);
+            }
+            ET_PRAGMA_UNROLL(8)
+            for (int p = 0; p < P; p++)
+                ET_PRAGMA_UNROLL(4)
+                for (int v = 0; v < CVN; v++) {
+                    const et_vf xv = et_load(x + p * xs + v * ET_VEC);
+                    ET_PRAGMA_UNROLL(4)
+                    for (int r = 0; r < R; r++) {
+                        const int ky = j - r * S;
+                        if (ky >= 0 && ky < 3) acc[r][p][v] += xv * w[r][v];
+                    }
+                }
+        }
+    }
+    ET_PRAGMA_UNROLL(4)
+    for (int r = 0; r < R; r++)
+        ET_PRAGMA_UNROLL(8)
+        for (int p = 0; p < P; p++)
+            ET_PRAGMA_UNROLL(4)
+            for (int v = 0; v < CVN; v++) et_store(Y + ((oy0 + r) * Wo + ox0 + p) * C + c0 + v * ET_VEC, acc[r][p][v]);
+}
+
+/* Channels [c1, C) that fill no vector, for R rows from oy0: scalar. */
+static void scalar_tail(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
+                        int64_t oy0, int R, int64_t c1, int S) {
+    for (int r = 0; r < R; r++) {
+        const int64_t oy = oy0 + r, iy0 = oy * S - 1;
+        for (int64_t ox = 0; ox < Wo; ox++) {
+            const int64_t ix0 = ox * S - 1;
+            for (int64_t c = c1; c < C; c++) {
+                float s = 0.0f;
+                for (int ky = 0; ky < 3; ky++) {
+                    const int64_t iy = iy0 + ky;
+                    if (iy < 0 || iy >= H) continue;
+                    for (int kx = 0; kx < 3; kx++) {
+                        const int64_t ix = ix0 + kx;
+                        if (ix < 0 || ix >= W) continue;
+                        s += X[(iy * W + ix) * C + c] * Wt[(ky * 3 + kx) * C + c];
+                    }
+                }
+                Y[(oy * Wo + ox) * C + c] = s;
+            }
+        }
+    }
+}
+
+/* A pixel tile of P pixels at ox (interior: all kx in range) or a clamped border pixel. */
+#define TILE_AT(R, ox, P, c0, CVN, kx0, kx1) tile(X, Wt, Y, H, W, C, Wo, oy0, R, ox, P, c0, CVN, S, kx0, kx1)
+
+#ifdef ET_ORDER_C_OUTER
+/* Channel tiles outer: each sweeps the row's pixels (border, interior run, remainder, border). */
+#define PIXELS(R, c0, CVN)                                                                                   \
+    do {                                                                                                     \
+        for (int64_t ox = 0; ox < Wo; ox++) {                                                                \
+            if (ox == lo) {                                                                                  \
+                for (; ox + ET_WT <= hi; ox += ET_WT) TILE_AT(R, ox, ET_WT, c0, CVN, 0, 3);                  \
+                switch (hi - ox) {                                                                           \
+                case 0: break;                                                                               \
+                case 1: if (1 < ET_WT) TILE_AT(R, ox, 1, c0, CVN, 0, 3); break;                              \
+                case 2: if (2 < ET_WT) TILE_AT(R, ox, 2, c0, CVN, 0, 3); break;                              \
+                case 3: if (3 < ET_WT) TILE_AT(R, ox, 3, c0, CVN, 0, 3); break;                              \
+                case 4: if (4 < ET_WT) TILE_AT(R, ox, 4, c0, CVN, 0, 3); break;                              \
+                case 5: if (5 < ET_WT) TILE_AT(R, ox, 5, c0, CVN, 0, 3); break;                              \
+                case 6: if (6 < ET_WT) TILE_AT(R, ox, 6, c0, CVN, 0, 3); break;                              \
+                case 7: if (7 < ET_WT) TILE_AT(R, ox, 7, c0, CVN, 0, 3); break;                              \
+                }                                                                                            \
+                ox = hi;                                                                                     \
+                if (ox >= Wo) break;                                                                         \
+            }                                                                                                \
+            const int64_t ix0 = ox * S - 1;                                                                  \
+            const int kx0 = ix0 < 0 ? (int)-ix0 : 0, kx1 = W - ix0 < 3 ? (int)(W - ix0) : 3;                 \
+            TILE_AT(R, ox, 1, c0, CVN, kx0, kx1);                                                            \
+        }                                                                                                    \
+    } while (0)
+
+ET_INLINE void row_tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
+                        int64_t oy0, const int R, int64_t lo, int64_t hi, int64_t nv, const int S) {
+    int64_t v = 0;
+    for (; v + ET_CV <= nv; v += ET_CV) PIXELS(R, v * ET_VEC, ET_CV);
+    for (; v < nv; v++) PIXELS(R, v * ET_VEC, 1);
+}
+#else
+/* Pixel tiles outer: each sweeps all channel vectors. */
+#define CHANNELS(R, ox, P, kx0, kx1)                                                                         \
+    do {                                                                                                     \
+        int64_t v = 0;                                                                                       \
+        for (; v + ET_CV <= nv; v += ET_CV) TILE_AT(R, ox, P, v * ET_VEC, ET_CV, kx0, kx1);                  \
+        for (; v < nv; v++) TILE_AT(R, ox, P, v * ET_VEC, 1, kx0, kx1);                                      \
+    } while (0)
+
+ET_INLINE void row_tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
+                        int64_t oy0, const int R, int64_t lo, int64_t hi, int64_t nv, const int S) {
+    for (int64_t ox = 0; ox < Wo; ox++) {
+        if (ox == lo) {
+            for (; ox + ET_WT <= hi; ox += ET_WT) CHANNELS(R, ox, ET_WT, 0, 3);
+            switch (hi - ox) {
+            case 0: break;
+#define REM(n) case n: if (n < ET_WT) CHANNELS(R, ox, n, 0, 3); break;
+            REM(1) REM(2) REM(3) REM(4) REM(5) REM(6) REM(7)
+#undef REM
+            }
+            ox = hi;
+            if (ox >= Wo) break;
+        }
+        const int64_t ix0 = ox * S - 1;
+        const int kx0 = ix0 < 0 ? (int)-ix0 : 0, kx1 = W - ix0 < 3 ? (int)(W - ix0) : 3;
+        CHANNELS(R, ox, 1, kx0, kx1);
+    }
+}
+#endif
+
+ET_INLINE int dwconv(const int64_t *dims, float *const *bufs, const int S) {
+    const int64_t H = dims[0], W = dims[1], C = dims[2];
+    const int64_t Ho = (H - 1) / S + 1, Wo = (W - 1) / S + 1;
+    const float *X = bufs[0], *Wt = bufs[1];
+    float *Y = bufs[2];
+    const int64_t nv = C / ET_VEC, c1 = nv * ET_VEC; /* full channel vectors; [c1, C) is the scalar tail */
+    /* interior output columns [lo, hi): ox*S-1 >= 0 and ox*S+1 <= W-1 */
+    const int64_t lo = 1;
+    int64_t hi = W >= 2 ? (W - 2) / S + 1 : 0;
+    if (hi > Wo) hi = Wo;
+    if (hi < lo) hi = lo;
+    const int64_t ntiles = (Ho + ET_RT - 1) / ET_RT;
+    ET_PARALLEL_FOR
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t oy0 = t * ET_RT;
+        if (oy0 + ET_RT <= Ho) {
+            row_tile(X, Wt, Y, H, W, C, Wo, oy0, ET_RT, lo, hi, nv, S);
+        } else {
+            for (int64_t oy = oy0; oy < Ho; oy++) row_tile(X, Wt, Y, H, W, C, Wo, oy, 1, lo, hi, nv, S);
+        }
+        if (c1 < C) scalar_tail(X, Wt, Y, H, W, C, Wo, oy0, (int)(Ho - oy0 < ET_RT ? Ho - oy0 : ET_RT), c1, S);
+    }
+    return 0;
+}
+
+static int et_kernel(const int64_t *dims, float *const *bufs) {
+    if (dims[0] < 1 || dims[1] < 1 || dims[2] < 1) return 1;
+    if (dims[3] == 1) return dwconv(dims, bufs, 1);
+    if (dims[3] == 2) return dwconv(dims, bufs, 2);
+    return 2; /* unsupported stride */
+}

@@ -1,0 +1,111 @@
+"""The worker contains variants that crash, hang or compute wrong values; the estimator is robust."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from kernels.build import CompileError, CompilerMissing, build
+from kernels.measure import estimate
+from kernels.registry import get_spec
+from kernels.spec import C_DIR
+from kernels.worker import Runner
+
+GEMM = get_spec("gemm")
+SHAPE = {"M": 8, "N": 16, "K": 8}
+
+
+def _variant(tmp_path, name: str, body: str):
+    """gemm with a fault injected at the top of et_kernel, as its own C file."""
+    src = (C_DIR / "gemm.c").read_text().replace(
+        "static int et_kernel(const int64_t *dims, float *const *bufs) {",
+        "static int et_kernel(const int64_t *dims, float *const *bufs) {\n" + body, 1)
+    path = tmp_path / f"{name}.c"
+    path.write_text("#include <signal.h>\n" + src)
+    return dataclasses.replace(GEMM, source=path)
+
+
+def test_crashing_variant_is_contained(tmp_path, hw):
+    spec = _variant(tmp_path, "crash", "raise(SIGSEGV);")
+    with Runner() as r:
+        m = r.measure(spec, SHAPE, build(spec, spec.default, hw).path)
+        assert not m.ok and "SIGSEGV" in m.reason
+        good = r.measure(GEMM, SHAPE, build(GEMM, GEMM.default, hw).path)  # the caller carries on
+        assert good.ok
+
+
+def test_hanging_variant_is_killed(tmp_path, hw):
+    spec = _variant(tmp_path, "hang", "for (volatile int i = 0;; i++) {}")
+    with Runner(timeout_s=2) as r:
+        m = r.measure(spec, SHAPE, build(spec, spec.default, hw).path)
+        assert not m.ok and m.reason.startswith("hung")
+        assert r.measure(GEMM, SHAPE, build(GEMM, GEMM.default, hw).path).ok
+
+
+def test_wrong_values_are_reported(tmp_path, hw):
+    spec = _variant(tmp_path, "wrong", "bufs[2][0] = 1e9f; return 0;")
+    with Runner() as r:
+        m = r.measure(spec, SHAPE, build(spec, spec.default, hw).path)
+    assert not m.ok and "wrong values" in m.reason
+
+
+def test_compile_error_is_clean(tmp_path, hw):
+    spec = _variant(tmp_path, "broken", "this is not C;")
+    with pytest.raises(CompileError) as e:
+        build(spec, spec.default, hw)
+    assert "error" in str(e.value) and "broken.c" in str(e.value)
+
+
+def test_no_compiler_names_the_fix(hw, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(CompilerMissing, match="install one"):
+        build(GEMM, {**GEMM.default, "kc": 64}, dataclasses.replace(hw, compiler=dataclasses.replace(hw.compiler, path=None)))
+
+
+def test_workers_are_recycled(hw):
+    with Runner(recycle_after=2) as r:
+        pids = set()
+        for kc in (32, 64, 128, 256):
+            assert r.measure(GEMM, SHAPE, build(GEMM, {**GEMM.default, "kc": kc}, hw).path).ok
+            pids.add(r._proc.pid)
+    assert len(pids) == 2
+
+
+def test_estimator_prefers_undisturbed_reps():
+    ms, cv, used, name = estimate([1.0, 1.1, 5.0, 1.05, 0.9], [0, 0, 3, 0, 1])
+    assert name == "median-undisturbed" and used == 3 and ms == 1.05
+    ms, _, used, name = estimate([2.0, 1.5, 3.0, 1.7], [1, 2, 1, 0])
+    assert name == "min-fallback" and ms == 1.5 and used == 4
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgetune.main", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["bench", "nosuch", "--workload", "x"], "unknown kernel 'nosuch'"),
+    (["bench", "gemm", "--workload", "nosuch"], "unknown workload 'nosuch'"),
+    (["bench", "gemm", "--workload", "kws_dscnn.fc", "--config", '{"vec": 3}'], "vec=3 is not allowed"),
+    (["bench", "gemm", "--workload", "kws_dscnn.fc", "--config", '{"mr": 8, "nv": 4}'], "violates"),
+    (["bench", "gemm", "--workload", "kws_dscnn.fc", "--config", "{vec"], "not valid JSON"),
+    (["bench", "gemm", "--workload", "kws_dscnn.fc", "--config", '{"bogus": 1}'], "unknown knob(s) bogus"),
+])
+def test_bench_bad_input_exits_2(args, needle):
+    p = _cli(*args)
+    assert p.returncode == 2, p.stderr
+    assert needle in " ".join(p.stderr.split())
+
+
+def test_bench_json_fields():
+    import json
+
+    p = _cli("bench", "gemm", "--workload", "kws_dscnn.pw4", "--default", "--ort", "--json")
+    assert p.returncode == 0, p.stderr
+    row = json.loads(p.stdout)
+    for k in ("kernel", "workload", "config", "ms", "cv", "reps_used", "ok", "max_abs_err", "ort_ms", "gflops", "roofline"):
+        assert k in row
+    assert row["ok"] and row["ms"] > 0 and row["ort_ms"] > 0 and row["gflops"] > 0

@@ -1,0 +1,295 @@
+"""Verbs `tune`, `report`, `pin`, `unpin`, `verify`, `export`: tune, inspect and consume the active configs."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+from edgetune.errors import BadInput, EdgetuneError
+from edgetune.output import emit, fmt, json_flag, progress, table
+from kernels.build import build
+from kernels.measure import TIE_THRESHOLD
+from kernels.registry import all_specs, get_spec
+from kernels.space import format_config
+from kernels.spec import KernelSpec, Workload
+from kernels.worker import Runner
+from kernels.workloads import resolve
+from tuner.db import ResultsDB
+from tuner.export import to_c_header
+from tuner.session import Budget, Session
+from tuner.strategies import STRATEGIES
+
+DEFAULT_STRATEGY = "anneal"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="tune kernels on this device (default: every bundled kernel and workload)")
+    p.add_argument("--kernel", action="append", help="kernel to tune (repeatable)")
+    p.add_argument("--workload", action="append", help="workload to tune (repeatable)")
+    p.add_argument("--shape", help="a custom shape for --kernel, e.g. M=196,N=576,K=96")
+    p.add_argument("--workloads", action="append", metavar="FILE",
+                   help="a workloads file (TOML, e.g. from `edgetune workloads import`); repeatable")
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, help=f"one of: {', '.join(STRATEGIES)}")
+    p.add_argument("--budget", type=int, default=40, help="max evaluations per workload")
+    p.add_argument("--seconds", type=float, help="max tuning seconds per workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="retune even if this key is already tuned")
+    p.add_argument("--isa", help="cap the ISA, e.g. x86-64-v3")
+    p.add_argument("--reset", action="store_true", help="move a corrupt results DB aside first (never deletes)")
+    json_flag(p)
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("report", help="the active configs: default vs tuned vs onnxruntime")
+    p.add_argument("--reset", action="store_true", help="move a corrupt results DB aside first (never deletes)")
+    json_flag(p)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("pin", help="pin a config for a kernel/workload; a pin wins over tuning")
+    p.add_argument("kernel")
+    p.add_argument("workload", help="workload name, or a custom shape like M=100,N=200,K=300")
+    p.add_argument("config", help='JSON object of knobs, e.g. \'{"vec": 8}\' (missing knobs take defaults)')
+    p.add_argument("--isa")
+    json_flag(p)
+    p.set_defaults(func=cmd_pin)
+
+    p = sub.add_parser("unpin", help="drop pins (all, or one kernel/workload)")
+    p.add_argument("kernel", nargs="?")
+    p.add_argument("workload", nargs="?")
+    json_flag(p)
+    p.set_defaults(func=cmd_unpin)
+
+    p = sub.add_parser("verify", help="re-measure active configs and report drift beyond the noise threshold")
+    p.add_argument("--kernel")
+    p.add_argument("--workload")
+    p.add_argument("--shape")
+    p.add_argument("--threshold", type=float, default=0.10, help="relative drift that counts (default 0.10)")
+    p.add_argument("--isa")
+    json_flag(p)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("export", help="export active configs as JSON or a C header for firmware builds")
+    p.add_argument("--format", choices=["json", "c-header"], default="json")
+    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+    json_flag(p)
+    p.set_defaults(func=cmd_export)
+
+
+def _hw(isa: str | None) -> Any:
+    from hwprobe import probe
+
+    return probe(isa_cap=isa, measure_bandwidth=False)
+
+
+def open_db(reset: bool = False) -> ResultsDB:
+    if reset:
+        aside = ResultsDB.reset()
+        if aside:
+            from edgetune.output import err_console
+
+            err_console.print(f"moved the old results DB aside to {aside}")
+    return ResultsDB()
+
+
+def select_targets(kernels: list[str] | None, workloads: list[str] | None, shape: str | None,
+                   files: list[str] | None) -> list[tuple[KernelSpec, Workload]]:
+    """What `tune` should run: workload files, a custom shape, named workloads, or everything bundled."""
+    if files:
+        from kernels.workload_files import load_workload_files
+
+        targets = load_workload_files(files)
+        return [(s, w) for s, w in targets if not kernels or s.name in kernels]
+    specs = [get_spec(k) for k in kernels] if kernels else list(all_specs().values())
+    if shape:
+        if len(specs) != 1:
+            raise BadInput("--shape needs exactly one --kernel")
+        return [(specs[0], resolve(specs[0], None, shape))]
+    if workloads:
+        if len(specs) == 1:
+            return [(specs[0], resolve(specs[0], w, None)) for w in workloads]
+        out = [(s, w) for s in specs for w in s.workloads if w.name in workloads]
+        known = {w.name for s in specs for w in s.workloads}
+        bad = [w for w in workloads if w not in known]
+        if bad:
+            raise BadInput(f"unknown workload(s) {', '.join(bad)}; name a --kernel, or see `edgetune kernels`")
+        return out
+    return [(s, w) for s in specs for w in s.workloads]
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    if args.budget <= 0:
+        raise BadInput(f"--budget must be a positive number of evaluations, got {args.budget}")
+    if args.seconds is not None and args.seconds <= 0:
+        raise BadInput(f"--seconds must be positive, got {args.seconds}")
+    if args.strategy not in STRATEGIES:
+        raise BadInput(f"unknown strategy {args.strategy!r}; strategies: {', '.join(STRATEGIES)}")
+    targets = select_targets(args.kernel, args.workload, args.shape, args.workloads)
+    if not targets:
+        raise BadInput("nothing to tune: the selection matched no workload")
+    hw = _hw(args.isa)
+    db = open_db(args.reset)
+    results, failures = [], []
+    with Runner() as runner, progress(not args.json) as bar:
+        session = Session(db, runner, hw)
+        overall = bar.add_task("tuning", total=len(targets)) if bar else None
+        for spec, wl in targets:
+            task = bar.add_task(f"  {spec.name}/{wl.name}", total=args.budget) if bar else None
+
+            def tick(done: int, total: int, msg: str, task: Any = task) -> None:
+                if bar:
+                    bar.update(task, completed=done, description=f"  {msg}")
+
+            try:
+                res = session.tune(spec, wl, strategy=args.strategy, seed=args.seed, force=args.force,
+                                   budget=Budget(evals=args.budget, seconds=args.seconds), progress=tick)
+                results.append(res.to_dict())
+            except EdgetuneError as e:
+                if e.exit_code == 2:
+                    raise
+                failures.append({"kernel": spec.name, "workload": wl.name, "error": str(e)})
+            if bar:
+                bar.update(task, completed=args.budget)
+                bar.advance(overall)
+
+    def render(d: dict) -> None:
+        table("tuned", ["kernel", "workload", "best config", "ms", "default ms", "speedup", "evals", "tuning s",
+                        "strategy"], [
+            [r["kernel"], r["workload"], format_config(r["config"]), fmt(r["ms"], 4), fmt(r["default_ms"], 4),
+             fmt(r["speedup"], 2) + ("x" if r["speedup"] else ""), r["evals"],
+             fmt(r["tuning_s"], 1) + (" (cached)" if r["cached"] else ""), r["strategy"]] for r in d["results"]])
+        for f in d["failures"]:
+            from edgetune.output import err_console
+
+            err_console.print(f"[red]failed[/red] {f['kernel']}/{f['workload']}: {f['error']}")
+
+    emit({"results": results, "failures": failures}, args.json, render)
+    return 1 if failures else 0
+
+
+def _when(ts: float | None) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
+
+
+def report_rows(db: ResultsDB) -> list[dict]:
+    rows = []
+    for slot, e in db.active().items():
+        kernel, workload = slot.split("/", 1)
+        rows.append({"kernel": kernel, "workload": workload, "config": e["config"], "default_ms": e.get("default_ms"),
+                     "tuned_ms": e.get("ms"), "speedup": e.get("speedup"), "ort_ms": e.get("ort_ms"),
+                     "tuned_vs_ort": (e["ms"] / e["ort_ms"]) if e.get("ms") and e.get("ort_ms") else None,
+                     "evals": e.get("evals"), "strategy": e.get("strategy"), "tuned_at": e.get("tuned_at"),
+                     "pinned": e.get("pinned", False)})
+    return rows
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    rows = report_rows(open_db(args.reset))
+
+    def render(rs: list[dict]) -> None:
+        if not rs:
+            print("nothing tuned yet: run `edgetune tune`")
+            return
+        table("active configs", ["kernel", "workload", "default ms", "tuned ms", "speedup", "ORT ms", "tuned/ORT",
+                                 "evals", "tuned_at"], [
+            [r["kernel"], r["workload"] + (" (pinned)" if r["pinned"] else ""), fmt(r["default_ms"], 4),
+             fmt(r["tuned_ms"], 4), fmt(r["speedup"], 2), fmt(r["ort_ms"], 4), fmt(r["tuned_vs_ort"], 2),
+             r["evals"], _when(r["tuned_at"])] for r in rs])
+
+    emit(rows, args.json, render)
+    return 0
+
+
+def _parse_config(text: str) -> dict:
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"config is not valid JSON ({e.msg} at column {e.colno}): {text!r}")
+    if not isinstance(cfg, dict):
+        raise BadInput(f"config must be a JSON object of knobs, got {type(cfg).__name__}")
+    return cfg
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    spec = get_spec(args.kernel)
+    wl = resolve(spec, None, args.workload) if "=" in args.workload else resolve(spec, args.workload, None)
+    hw = _hw(args.isa)
+    cfg = spec.space(wl.shape, hw).validate(_parse_config(args.config))
+    db = ResultsDB()
+    with Runner() as runner:
+        m = runner.measure(spec, wl.shape, build(spec, cfg, hw).path)
+    if not m.ok:
+        raise EdgetuneError(f"pinned config fails on this device: {m.reason}")
+    old = db.active_entry(spec.name, wl.name)
+    entry = {"config": cfg, "ms": m.ms, "default_ms": old.get("default_ms") if old else None,
+             "speedup": (old["default_ms"] / m.ms) if old and old.get("default_ms") else None,
+             "evals": 0, "tuning_s": 0.0, "strategy": "pinned", "shape": wl.shape, "ort_ms": old and old.get("ort_ms"),
+             "tuned_at": m and __import__("time").time(), "hw_fingerprint": hw.hw_fingerprint,
+             "fw_fingerprint": hw.fw_fingerprint, "isa": hw.isa,
+             "tuned_entry": (old.get("tuned_entry") if old and old.get("pinned") else
+                             {k: v for k, v in old.items() if k != "pinned"} if old else None)}
+    db.set_active(spec.name, wl.name, entry, pinned=True)
+    out = {"kernel": spec.name, "workload": wl.name, "config": cfg, "ms": m.ms}
+    emit(out, args.json, lambda d: print(f"pinned {d['kernel']}/{d['workload']}: {format_config(d['config'])} "
+                                         f"({d['ms']:.4f} ms)"))
+    return 0
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    if args.kernel:
+        get_spec(args.kernel)
+    n = ResultsDB().unpin(args.kernel, args.workload)
+    emit({"unpinned": n}, args.json, lambda d: print(f"unpinned {d['unpinned']} config(s)"))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    db = ResultsDB()
+    hw = _hw(args.isa)
+    active = db.active()
+    if args.kernel:
+        spec = get_spec(args.kernel)
+        if args.workload or args.shape:
+            wl = resolve(spec, args.workload, args.shape)
+            active = {k: v for k, v in active.items() if k == f"{spec.name}/{wl.name}"}
+        else:
+            active = {k: v for k, v in active.items() if k.startswith(spec.name + "/")}
+    rows = []
+    with Runner() as runner:
+        session = Session(db, runner, hw)
+        for slot, e in active.items():
+            kernel, workload = slot.split("/", 1)
+            spec = get_spec(kernel)
+            wl = resolve(spec, workload, None)
+            m = session.remeasure(spec, wl, [e["config"]], e.get("session_id") or 0, "verify", rounds=2)[0] \
+                if e.get("session_id") else runner.measure(spec, wl.shape, build(spec, e["config"], hw).path)
+            drift = (m.ms - e["ms"]) / e["ms"] if m.ok and e.get("ms") else None
+            rows.append({"kernel": kernel, "workload": workload, "config": e["config"], "stored_ms": e.get("ms"),
+                         "now_ms": m.ms, "drift": drift, "ok": m.ok, "reason": m.reason,
+                         "status": "failed" if not m.ok else "drift" if abs(drift or 0) > args.threshold else "ok"})
+
+    def render(rs: list[dict]) -> None:
+        if not rs:
+            print("nothing to verify: no active configs")
+            return
+        table(f"verify (drift threshold {args.threshold:.0%}, ties under {TIE_THRESHOLD:.0%})",
+              ["kernel", "workload", "stored ms", "now ms", "drift", "status"], [
+                  [r["kernel"], r["workload"], fmt(r["stored_ms"], 4), fmt(r["now_ms"], 4),
+                   "-" if r["drift"] is None else f"{r['drift']:+.1%}", r["status"] if r["ok"] else r["reason"]]
+                  for r in rs])
+
+    emit(rows, args.json, render)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    doc = ResultsDB().active_document()
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n" if args.format == "json" else to_c_header(doc)
+    if args.output:
+        Path(args.output).write_text(text)
+        emit({"written": args.output, "format": args.format, "entries": len(doc["kernels"])}, args.json,
+             lambda d: print(f"wrote {d['entries']} config(s) to {d['written']}"))
+    else:
+        print(text, end="")
+    return 0
