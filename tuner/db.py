@@ -118,11 +118,15 @@ class ResultsDB:
                     self.db.conn.execute("COMMIT")
                     return
                 except sqlite3.Error as ce:
-                    self.db.conn.execute("ROLLBACK")
+                    self._rollback()
                     raise _friendly(ce, self.db.path) from ce
-            self.db.conn.execute("ROLLBACK")
+            self._rollback()
             if isinstance(e, sqlite3.Error):
                 raise _friendly(e, self.db.path) from e
+
+        def _rollback(self) -> None:
+            if self.db.conn.in_transaction:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
+                self.db.conn.execute("ROLLBACK")
 
     def tx(self) -> "_Tx":
         return ResultsDB._Tx(self)

@@ -1,0 +1,341 @@
+"""Tuning engine: search space, strategies, sessions (resume after SIGKILL), cache keys, DB faults, CLI, export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from edgetune.errors import BadInput
+from kernels.build import build
+from kernels.measure import Measurement
+from kernels.registry import get_spec
+from kernels.space import config_key
+from kernels.spec import C_DIR
+from kernels.worker import Runner
+from tuner.db import DBError, ResultsDB
+from tuner.grammar import GrammarError, export_grammar, validate
+from tuner.session import Budget, Session, result_key
+from tuner.strategies import Anneal, Exhaustive, RandomSearch, make_strategy
+
+GEMM = get_spec("gemm")
+SMALL = GEMM.workload("kws_dscnn.fc")
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgetune.main", *args], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+# ---- search space ------------------------------------------------------------------------------------------
+
+def test_space_validation_names_the_knob(hw):
+    space = GEMM.space(SMALL.shape, hw)
+    assert space.validate({"vec": "16"})["vec"] == 16  # CLI/JSON strings coerce
+    with pytest.raises(BadInput, match="knob vec=3 is not allowed; allowed values: 4, 8, 16"):
+        space.validate({"vec": 3})
+    with pytest.raises(BadInput, match="unknown knob"):
+        space.validate({"tile": 4})
+    with pytest.raises(BadInput, match="accumulators"):
+        space.validate({"mr": 8, "nv": 4})
+    with pytest.raises(BadInput, match="missing knob"):
+        space.validate({"vec": 8}, complete=True)
+
+
+def test_space_enumerate_sample_neighbours(hw):
+    space = GEMM.space(SMALL.shape, hw)
+    every = list(space.enumerate())
+    assert len(every) == space.size() and all(space.is_valid(c) for c in every)
+    assert len({config_key(c) for c in every}) == len(every)
+    assert space.size() < space.cardinality()  # constraints really prune
+    s1 = space.sample(20, random.Random(3))
+    assert s1 == space.sample(20, random.Random(3)) and all(space.is_valid(c) for c in s1)
+    for n in space.neighbours(space.default):
+        assert space.distance(n, space.default) == 1 and space.is_valid(n)
+
+
+def test_isa_cap_shrinks_space(hw):
+    if hw.vector_bits < 512:
+        pytest.skip("needs a 512-bit machine to cap")
+    from hwprobe import probe
+
+    v3 = probe(isa_cap="x86-64-v3", measure_bandwidth=False)
+    assert all(c["vec"] <= 8 for c in GEMM.space(SMALL.shape, v3).enumerate())
+    with pytest.raises(BadInput, match="ISA"):
+        GEMM.space(SMALL.shape, v3).validate({"vec": 16})
+
+
+def test_grammar_is_valid_for_llama_cpp(hw):
+    for name in ("gemm",):
+        g = export_grammar(get_spec(name).space(SMALL.shape, hw))
+        assert g.startswith("root ::=") and '" vec=" ("4" | "8" | "16")' in g
+    with pytest.raises(GrammarError):
+        validate('root ::= " a=" ("1" | ')  # would crash llama.cpp in-process
+
+
+# ---- strategies --------------------------------------------------------------------------------------------
+
+def _fake_measure(cfg) -> Measurement:
+    """A deterministic synthetic objective: only for checking strategy mechanics, not kernels."""
+    return Measurement(ok=True, ms=1.0 + abs(cfg["mr"] - 2) + abs(cfg["kc"] - 64) / 64 + (cfg["vec"] == 4))
+
+
+@pytest.mark.parametrize("name", ["random", "anneal"])
+def test_strategies_are_deterministic_under_seed(name, hw):
+    space = GEMM.space(SMALL.shape, hw)
+
+    def run(seed):
+        s, seen = make_strategy(name, space, seed), []
+        for _ in range(8):
+            for c in s.ask(2):
+                s.tell(c, _fake_measure(c))
+                seen.append(config_key(c))
+        return seen
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+    assert len(set(run(1))) == len(run(1))  # never re-asks a measured config
+
+
+def test_exhaustive_refuses_big_spaces(hw):
+    space = GEMM.space(SMALL.shape, hw)
+    with pytest.raises(BadInput, match="over the limit of 100"):
+        Exhaustive(space, limit=100)
+    ex = Exhaustive(space)
+    assert len(ex.ask(10_000)) == space.size()
+
+
+def test_anneal_improves_on_synthetic_objective(hw):
+    space = GEMM.space(SMALL.shape, hw)
+    a = Anneal(space, seed=0)
+    for _ in range(30):
+        for c in a.ask(1):
+            a.tell(c, _fake_measure(c))
+    assert a.best[0] <= _fake_measure(space.default).ms
+
+
+# ---- sessions ----------------------------------------------------------------------------------------------
+
+def test_budget_and_cache(hw, runner):
+    db = ResultsDB()
+    s = Session(db, runner, hw)
+    r = s.tune(GEMM, SMALL, strategy="random", budget=Budget(evals=5))
+    assert r.evals == 5 and not r.cached and r.default_ms and r.speedup
+    rows = db.measurements(r.session_id, "search")
+    assert len(rows) == 5 and all(row["stats"]["load1"] >= 0 for row in rows)
+    assert config_key(rows[0]["config"]) != "" and db.measurements(r.session_id, "final")
+    again = s.tune(GEMM, SMALL, strategy="random", budget=Budget(evals=5))
+    assert again.cached and again.config == r.config
+    forced = s.tune(GEMM, SMALL, strategy="random", budget=Budget(evals=5), force=True)
+    assert not forced.cached and forced.session_id != r.session_id
+    t = time.monotonic()
+    short = s.tune(GEMM, GEMM.workload("kws_dscnn.pw4"), strategy="anneal", budget=Budget(evals=500, seconds=1.5))
+    assert short.evals < 500 and time.monotonic() - t < 30
+
+
+def test_cache_key_misses_on_source_compiler_isa_change(hw, tmp_path):
+    strat = RandomSearch(GEMM.space(SMALL.shape, hw))
+    base = result_key(GEMM, SMALL, hw, strat)
+    src = tmp_path / "gemm.c"
+    src.write_text((C_DIR / "gemm.c").read_text() + "\n/* changed */\n")
+    assert result_key(dataclasses.replace(GEMM, source=src), SMALL, hw, strat) != base
+    other_cc = dataclasses.replace(hw, compiler=dataclasses.replace(hw.compiler, id="clang-17.0.0"))
+    assert result_key(GEMM, SMALL, other_cc, strat) != base
+    assert result_key(GEMM, SMALL, dataclasses.replace(hw, isa="x86-64-v2"), strat) != base
+    assert result_key(GEMM, SMALL, hw, Anneal(GEMM.space(SMALL.shape, hw))) != base
+    assert result_key(GEMM, SMALL, hw, strat) == base
+
+
+class _ListStrategy:
+    """Asks a fixed list: lets a test put known-bad variants in front of the session."""
+
+    name, version = "list", "1"
+
+    def __init__(self, cfgs):
+        self.cfgs = list(cfgs)
+
+    def ask(self, n):
+        out, self.cfgs = self.cfgs[:n], self.cfgs[n:]
+        return out
+
+    def tell(self, cfg, m):
+        pass
+
+
+def test_failed_variants_recorded_and_never_chosen(hw, runner, tmp_path):
+    src = tmp_path / "gemm.c"  # crashes whenever mr == 1, which is otherwise a fine config
+    src.write_text("#include <signal.h>\n" + (C_DIR / "gemm.c").read_text().replace(
+        "static int et_kernel(const int64_t *dims, float *const *bufs) {",
+        "static int et_kernel(const int64_t *dims, float *const *bufs) {\n#if ET_MR == 1\nraise(SIGSEGV);\n#endif", 1))
+    spec = dataclasses.replace(GEMM, source=src)
+    cfgs = [{**GEMM.default, "mr": 1}, {**GEMM.default, "mr": 1, "kc": 32}, {**GEMM.default, "mr": 2}]
+    db = ResultsDB()
+    r = Session(db, runner, hw).tune(spec, SMALL, strategy_obj=_ListStrategy(cfgs), budget=Budget(evals=3))
+    assert r.config["mr"] != 1 and r.failed == 2
+    failed = [m for m in db.measurements(r.session_id, "search") if not m["ok"]]
+    assert len(failed) == 2 and all("SIGSEGV" in m["reason"] for m in failed)
+
+
+def test_resume_after_sigkill(tmp_path):
+    """kill -9 mid-session; the same command resumes without repeating finished measurements."""
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "edgetune.main", "tune", "--kernel", "gemm", "--workload", "kws_dscnn.pw4",
+           "--strategy", "random", "--budget", "10", "--json"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    db_path = tmp_path / "state" / "results.db"
+    deadline = time.monotonic() + 120
+    before = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        if db_path.exists():
+            try:
+                con = sqlite3.connect(db_path)
+                before = con.execute("SELECT id, seq, ts FROM measurements WHERE phase='search' ORDER BY seq").fetchall()
+                con.close()
+            except sqlite3.Error:
+                before = []
+            if len(before) >= 4:
+                break
+        time.sleep(0.02)
+    assert proc.poll() is None, "tune finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    con = sqlite3.connect(db_path)
+    before = con.execute("SELECT id, seq, ts FROM measurements WHERE phase='search' ORDER BY seq").fetchall()
+    assert con.execute("SELECT state FROM sessions").fetchall() == [("running",)]
+    con.close()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    con = sqlite3.connect(db_path)
+    after = con.execute("SELECT id, seq, ts FROM measurements WHERE phase='search' ORDER BY seq").fetchall()
+    sessions = con.execute("SELECT id, state FROM sessions").fetchall()
+    assert sessions == [(1, "done")]  # resumed, not restarted
+    assert len(after) == 10 and after[:len(before)] == before  # finished measurements untouched
+    assert json.loads(done.stdout)["results"][0]["evals"] == 10
+
+
+# ---- DB faults ---------------------------------------------------------------------------------------------
+
+def test_corrupt_db_clear_error_and_reset_moves_aside(tmp_path):
+    db_path = tmp_path / "state" / "results.db"
+    db_path.parent.mkdir(parents=True)
+    db_path.write_bytes(b"this is not sqlite" * 100)
+    p = _cli("report")
+    assert p.returncode == 1 and "corrupt" in p.stderr and "--reset" in p.stderr
+    p = _cli("report", "--reset", "--json")
+    assert p.returncode == 0, p.stderr
+    aside = [f for f in db_path.parent.iterdir() if ".broken-" in f.name]
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not sqlite")
+
+
+def test_foreign_sqlite_db_is_refused(tmp_path):
+    db_path = tmp_path / "state" / "results.db"
+    db_path.parent.mkdir(parents=True)
+    con = sqlite3.connect(db_path)
+    con.execute("CREATE TABLE photos (id INTEGER)")
+    con.commit()
+    con.close()
+    with pytest.raises(DBError, match="not an edgetune results DB"):
+        ResultsDB()
+
+
+def test_full_disk_keeps_db_intact(hw):
+    db = ResultsDB()
+    sid = db.open_session("k", {"kernel": "gemm", "workload": "w", "shape": {}, "hw_fingerprint": "h",
+                                "fw_fingerprint": "f", "source_hash": "s", "isa": "i", "compiler_id": "c",
+                                "strategy": "random", "strategy_version": "1"}, {}, "test").id
+    db.add_measurement(sid, "search", 0, {"a": 1}, "a=1", Measurement(ok=True, ms=1.0), None)
+    pages = db.conn.execute("PRAGMA page_count").fetchone()[0]
+    db.conn.execute(f"PRAGMA max_page_count={pages}")
+    big = Measurement(ok=True, ms=1.0, wall_ms=[1.0] * 200_000)
+    with pytest.raises(DBError, match="disk full"):
+        db.add_measurement(sid, "search", 1, {"a": 2}, "a=2", big, None)
+    assert db.conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+    assert [m["seq"] for m in db.measurements(sid)] == [0]
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,needle", [
+    (["tune", "--kernel", "nosuch"], "unknown kernel 'nosuch'"),
+    (["tune", "--kernel", "gemm", "--workload", "nosuch"], "unknown workload 'nosuch'"),
+    (["tune", "--strategy", "magic"], "unknown strategy 'magic'"),
+    (["tune", "--budget", "0"], "--budget must be a positive"),
+    (["tune", "--budget", "-3"], "--budget must be a positive"),
+    (["pin", "gemm", "kws_dscnn.fc", '{"vec": 5}'], "vec=5 is not allowed"),
+    (["pin", "gemm", "kws_dscnn.fc", "[1]"], "JSON object"),
+])
+def test_cli_bad_input_exits_2(args, needle):
+    p = _cli(*args)
+    assert p.returncode == 2, p.stderr
+    assert needle in " ".join(p.stderr.split())
+
+
+def test_tune_report_pin_verify_export_cli(tmp_path):
+    p = _cli("tune", "--kernel", "gemm", "--workload", "kws_dscnn.fc", "--budget", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)["results"][0]
+    for k in ("config", "ms", "default_ms", "speedup", "evals", "tuning_s", "strategy"):
+        assert k in res
+    rep = json.loads(_cli("report", "--json").stdout)
+    assert rep[0]["kernel"] == "gemm" and rep[0]["tuned_ms"] == pytest.approx(res["ms"]) and rep[0]["ort_ms"] > 0
+    pin = {**GEMM.default, "kc": 64, "unroll_k": 1}
+    assert _cli("pin", "gemm", "kws_dscnn.fc", json.dumps(pin)).returncode == 0
+    again = _cli("tune", "--kernel", "gemm", "--workload", "kws_dscnn.fc", "--budget", "4", "--force", "--json")
+    assert again.returncode == 0
+    rep = json.loads(_cli("report", "--json").stdout)
+    assert rep[0]["config"] == pin and rep[0]["pinned"]  # a pin wins over tuning
+    assert _cli("unpin").returncode == 0
+    rep = json.loads(_cli("report", "--json").stdout)
+    assert not rep[0]["pinned"] and rep[0]["config"] != pin or rep[0]["strategy"] != "pinned"
+    v = _cli("verify", "--json", "--threshold", "10")
+    assert v.returncode == 0, v.stderr
+    assert json.loads(v.stdout)[0]["status"] == "ok"
+    out = tmp_path / "active.json"
+    assert _cli("export", "--format", "json", "-o", str(out)).returncode == 0
+    assert "gemm/kws_dscnn.fc" in json.loads(out.read_text())["kernels"]
+
+
+def test_c_header_export_compiles_a_kernel(tmp_path, hw, runner):
+    cfg = {**GEMM.default, "mr": 2, "nv": 1, "kc": 32, "vec": 4}
+    assert _cli("pin", "gemm", "kws_dscnn.pw4", json.dumps(cfg)).returncode == 0
+    header = tmp_path / "edgetune_tuned.h"
+    assert _cli("export", "--format", "c-header", "-o", str(header)).returncode == 0
+    text = header.read_text()
+    assert "#define ET_MR 2" in text and "#define ET_VEC 4" in text
+    so = tmp_path / "gemm_fw.so"
+    subprocess.run(["cc", "-O2", f"-march={hw.march}", "-fPIC", "-shared", "-include", str(header),
+                    "-DEDGETUNE_GEMM_KWS_DSCNN_PW4", f"-I{C_DIR}", str(C_DIR / "gemm.c"), "-o", str(so), "-lm"],
+                   check=True)
+    m = runner.measure(GEMM, GEMM.workload("kws_dscnn.pw4").shape, so, min_time_s=0.01)
+    assert m.ok, m.reason
+
+
+def test_runtime_api_load_tuned(hw, caplog, build_cache):
+    import kernels
+
+    shape = GEMM.workload("kws_dscnn.pw4").shape
+    inputs = GEMM.make_inputs(shape, np.random.default_rng(1))
+    with caplog.at_level(logging.WARNING):
+        k = kernels.load_tuned("gemm", "kws_dscnn.pw4")
+    assert not k.tuned and "no tuned config" in caplog.text
+    np.testing.assert_allclose(k(*inputs)[0], GEMM.reference(shape, inputs)[0], rtol=1e-4, atol=1e-4)
+    cfg = {**GEMM.default, "mr": 8, "nv": 1}
+    assert _cli("pin", "gemm", "kws_dscnn.pw4", json.dumps(cfg)).returncode == 0
+    for so in (build_cache / "builds").glob("gemm-*.so"):  # the cache was wiped: it must rebuild
+        so.unlink()
+    k = kernels.load_tuned("gemm", "kws_dscnn.pw4")
+    assert k.tuned and k.config == cfg
+    np.testing.assert_allclose(k(*inputs)[0], GEMM.reference(shape, inputs)[0], rtol=1e-4, atol=1e-4)
+    custom = kernels.load_tuned("gemm", shape={"M": 10, "N": 20, "K": 30})
+    x = GEMM.make_inputs({"M": 10, "N": 20, "K": 30}, np.random.default_rng(2))
+    np.testing.assert_allclose(custom(*x)[0], x[0] @ x[1], rtol=1e-4, atol=1e-4)
