@@ -25,7 +25,8 @@ mosquitto:
 
 run: install
 	$(VENV)/bin/edgetune probe
-	$(VENV)/bin/edgetune bench --all --default
+	$(VENV)/bin/edgetune tune
+	$(VENV)/bin/edgetune report
 
 test: dev mosquitto
 	$(PY) -m pytest -q

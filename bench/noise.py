@@ -1,0 +1,72 @@
+"""How steady is the estimator? CV of a fixed config, quiet and with a background CPU hog, side by side.
+
+    python bench/noise.py [--kernel gemm --workload mobilenetv2.b6.project] [--runs 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hwprobe import probe  # noqa: E402
+from kernels.build import build  # noqa: E402
+from kernels.registry import get_spec  # noqa: E402
+from kernels.worker import Runner  # noqa: E402
+
+
+def _hog(stop) -> None:
+    x = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            x += 1
+
+
+def _series(runner: Runner, spec, shape, so, runs: int) -> dict:
+    ms = [runner.measure(spec, shape, so) for _ in range(runs)]
+    est = [m.ms for m in ms]
+    return {"median_ms": statistics.median(est), "between_runs_cv": statistics.pstdev(est) / statistics.fmean(est),
+            "within_run_cv": statistics.median(m.cv for m in ms), "reps_used": statistics.median(m.reps_used for m in ms),
+            "reps": statistics.median(m.reps for m in ms), "fallbacks": sum(m.estimator == "min-fallback" for m in ms),
+            "load1": os.getloadavg()[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", default="gemm")
+    ap.add_argument("--workload", default="mobilenetv2.b6.project")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args()
+    hw = probe(measure_bandwidth=False)
+    spec = get_spec(args.kernel)
+    wl = spec.workload(args.workload)
+    so = build(spec, spec.space(wl.shape, hw).valid_default(), hw).path
+    with Runner() as runner:
+        quiet = _series(runner, spec, wl.shape, so, args.runs)
+        stop = mp.Event()
+        hogs = [mp.Process(target=_hog, args=(stop,), daemon=True) for _ in range(args.hogs)]
+        for h in hogs:
+            h.start()
+        try:
+            loaded = _series(runner, spec, wl.shape, so, args.runs)
+        finally:
+            stop.set()
+            for h in hogs:
+                h.join()
+    print(f"# {spec.name}/{wl.name}, default config, {args.runs} estimates each, {args.hogs} hog process(es)")
+    print(f"{'condition':10} {'median ms':>10} {'CV between':>11} {'CV within':>10} {'reps used/reps':>15} "
+          f"{'min-fallbacks':>13} {'load1':>6}")
+    for name, s in (("quiet", quiet), ("cpu hog", loaded)):
+        print(f"{name:10} {s['median_ms']:10.4f} {s['between_runs_cv']:11.3f} {s['within_run_cv']:10.3f} "
+              f"{s['reps_used']:>7.0f}/{s['reps']:<7.0f} {s['fallbacks']:13d} {s['load1']:6.2f}")
+    print(f"# hog/quiet median ratio {loaded['median_ms'] / quiet['median_ms']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
