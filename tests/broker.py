@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -34,14 +35,15 @@ class Mosquitto:
         exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         self.workdir.mkdir(parents=True, exist_ok=True)
         conf = self.workdir / "mosquitto.conf"
-        lines = [f"listener {self.port} 127.0.0.1", *self.extra_conf]
+        # started as root, mosquitto drops to its own user and could not read pytest's private tmp dirs
+        lines = [f"listener {self.port} 127.0.0.1", *(["user root"] if os.geteuid() == 0 else []), *self.extra_conf]
         if not any(ln.startswith(("password_file", "allow_anonymous")) for ln in self.extra_conf):
             lines.append("allow_anonymous true")
         if self.persistence:
             lines += ["persistence true", f"persistence_location {self.workdir}/"]
         conf.write_text("\n".join(lines) + "\n")
-        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL,
-                                     stderr=open(self.workdir / "mosquitto.log", "ab"))
+        with open(self.workdir / "mosquitto.log", "ab") as log:
+            self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # wait for the listener, not a fixed sleep
             if self.proc.poll() is not None:

@@ -6,7 +6,8 @@
  * Each call packs the weights into zero-padded panels of CV*VEC output channels (so the channel tail runs the
  * same vector code and only its stores are partial), then computes register tiles of WT output pixels (along a
  * row) x CV vectors of output channels. Border pixels (the first/last output columns whose taps fall in the
- * padding) run one-pixel tiles with clamped taps; border rows clamp ky.
+ * padding) run one-pixel tiles with clamped taps; border rows clamp ky. The last tile of a row's interior run
+ * is shifted back to end at the run's end instead of needing a remainder tile.
  * Knobs: CV vectors of output channels per tile, WT output pixels per tile, VEC floats per vector, UNROLL of
  * the Cin loop, ORDER of the reduction (ky_kx_ci: taps outer, contiguous Cin inner; ci_ky_kx: Cin outer, the
  * 9 taps inner, with the panel laid out to match), OUTER loop (rows: output rows outer, so the input rows stay
@@ -130,35 +131,34 @@ ET_INLINE void tile(const float *X, const float *panel, float *Y, int64_t W, int
     }
 }
 
-/* Interior tile of P pixels: all kx taps in range; the ky range is specialised when the row is interior. */
-#define INTERIOR(P)                                                                                          \
-    do {                                                                                                     \
-        if (ky0 == 0 && ky1 == 3)                                                                            \
-            tile(X, panel, y + ox * Cout, W, Cin, Cout, iy0, ox * S - 1, 0, 3, 0, 3, (P), S, nco);          \
-        else                                                                                                 \
-            tile(X, panel, y + ox * Cout, W, Cin, Cout, iy0, ox * S - 1, ky0, ky1, 0, 3, (P), S, nco);      \
-    } while (0)
-
-/* One output row x one channel panel. */
+/* One output row x one channel panel. The left border pixel and the right border run [hi, Wo) get one-pixel
+ * tiles with clamped taps. The interior run [lo, hi) gets WT-pixel tiles, the last one shifted left to end at
+ * hi (it recomputes a few pixels rather than needing a remainder tile); a run shorter than WT gets one-pixel
+ * tiles. Interior rows (all three ky in range) get a specialised copy of the WT-pixel tile. */
 ET_INLINE void row(const float *X, const float *panel, float *y, int64_t H, int64_t W, int64_t Cin,
                    int64_t Cout, int64_t Wo, int64_t oy, int64_t nco, const int S) {
     const int64_t iy0 = oy * S - 1;
     const int ky0 = iy0 < 0 ? (int)-iy0 : 0, ky1 = H - iy0 < 3 ? (int)(H - iy0) : 3;
     /* interior columns: ox*S-1 >= 0 and ox*S+1 <= W-1 */
-    const int64_t lo = Wo < 1 ? Wo : 1;
+    const int64_t lo = 1;
     int64_t hi = W >= 2 ? (W - 2) / S + 1 : 0;
     if (hi > Wo) hi = Wo;
     if (hi < lo) hi = lo;
-    for (int64_t ox = 0; ox < Wo; ox++) {
-        if (ox == lo) { /* interior run [lo, hi) */
-            for (; ox + ET_WT <= hi; ox += ET_WT) INTERIOR(ET_WT);
-            switch (hi - ox) {
-            case 0: break;
-#define REM(n) case n: if (n < ET_WT) INTERIOR(n); break;
-            REM(1) REM(2) REM(3) REM(4) REM(5) REM(6) REM(7)
-#undef REM
-            }
-            ox = hi;
+    int64_t ox = 0;
+    const int64_t run = hi - lo >= ET_WT ? hi : lo; /* [lo, run) goes in WT-pixel tiles */
+    for (; ox < Wo; ox++) {
+        if (ox == lo && run > lo) {
+            if (ky0 == 0 && ky1 == 3)
+                for (; ox < run; ox += ET_WT) {
+                    const int64_t o = ox + ET_WT <= run ? ox : run - ET_WT;
+                    tile(X, panel, y + o * Cout, W, Cin, Cout, iy0, o * S - 1, 0, 3, 0, 3, ET_WT, S, nco);
+                }
+            else
+                for (; ox < run; ox += ET_WT) {
+                    const int64_t o = ox + ET_WT <= run ? ox : run - ET_WT;
+                    tile(X, panel, y + o * Cout, W, Cin, Cout, iy0, o * S - 1, ky0, ky1, 0, 3, ET_WT, S, nco);
+                }
+            ox = run;
             if (ox >= Wo) break;
         }
         const int64_t ix0 = ox * S - 1;

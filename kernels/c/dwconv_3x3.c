@@ -6,7 +6,9 @@
  * Register tiles of RT output rows x WT output pixels x CV channel vectors. Each input row a tile touches is
  * loaded once and feeds every output row of the tile it belongs to (RT > 1 reuses input rows when stride is 1).
  * Border pixels (first/last output columns) run one-pixel tiles with clamped kx; out-of-range input rows are
- * skipped. Channels past the last full vector run a scalar tail.
+ * skipped. Remainders reuse the full tile: the last pixel tile of a row and the last channel tile are shifted
+ * back to end at the edge (recomputing a few outputs), and a last row tile stores only the rows that exist.
+ * Channels past the last full vector run a scalar tail.
  * Knobs: CV channel vectors per tile, WT output pixels per tile, RT output rows per tile, VEC floats per vector,
  * ORDER (c_outer: a channel tile sweeps the whole row, so its 9 weight vectors stay hot; px_outer: a pixel tile
  * sweeps all channels, so input lines are read contiguously), PREFETCH distance in pixel tiles ahead along the
@@ -36,43 +38,43 @@
 #define WT_MAX 8
 #define ET_INLINE static inline __attribute__((always_inline))
 
-/* R output rows from oy0 x P output pixels from ox0 x CVN vectors from channel c0. kx in [kx0, kx1) are the
- * in-range taps (P == 1 whenever they are clamped); input rows outside [0, H) are skipped. */
+/* ET_RT output rows from oy0 (only the first nrows are stored) x P output pixels from ox0 x ET_CV vectors from
+ * channel c0. kx in [kx0, kx1) are the in-range taps (P == 1 whenever they are clamped); input rows outside
+ * [0, H) are skipped. */
 ET_INLINE void tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
-                    int64_t oy0, const int R, int64_t ox0, const int P, int64_t c0, const int CVN, const int S,
-                    int kx0, int kx1) {
+                    int64_t oy0, int64_t nrows, int64_t ox0, const int P, int64_t c0, const int S, int kx0, int kx1) {
     et_vf acc[ET_RT][WT_MAX][ET_CV];
     ET_PRAGMA_UNROLL(4)
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < ET_RT; r++)
         ET_PRAGMA_UNROLL(8)
         for (int p = 0; p < P; p++)
             ET_PRAGMA_UNROLL(4)
-            for (int v = 0; v < CVN; v++) acc[r][p][v] = et_splat(0.0f);
+            for (int v = 0; v < ET_CV; v++) acc[r][p][v] = et_splat(0.0f);
     const int64_t iy0 = oy0 * S - 1, ix0 = ox0 * S - 1, xs = (int64_t)S * C;
     ET_PRAGMA_UNROLL(10)
-    for (int j = 0; j < (R - 1) * S + 3; j++) { /* input rows of the tile */
+    for (int j = 0; j < (ET_RT - 1) * S + 3; j++) { /* input rows of the tile */
         const int64_t iy = iy0 + j;
         if (iy < 0 || iy >= H) continue;
         for (int kx = kx0; kx < kx1; kx++) {
             const float *x = X + (iy * W + ix0 + kx) * C + c0;
 #if ET_PREFETCH > 0
-            for (int v = 0; v < CVN * ET_VEC; v += 16) __builtin_prefetch(x + ET_PREFETCH * P * xs + v, 0, 3);
+            for (int v = 0; v < ET_CV * ET_VEC; v += 16) __builtin_prefetch(x + ET_PREFETCH * P * xs + v, 0, 3);
 #endif
             et_vf w[ET_RT][ET_CV];
             ET_PRAGMA_UNROLL(4)
-            for (int r = 0; r < R; r++) {
+            for (int r = 0; r < ET_RT; r++) {
                 const int ky = j - r * S;
-                if (ky >= 0 && ky < 3)
-                    ET_PRAGMA_UNROLL(4)
-                    for (int v = 0; v < CVN; v++) w[r][v] = et_load(Wt + (ky * 3 + kx) * C + c0 + v * ET_VEC);
+                ET_PRAGMA_UNROLL(4)
+                for (int v = 0; v < ET_CV; v++)
+                    w[r][v] = ky >= 0 && ky < 3 ? et_load(Wt + (ky * 3 + kx) * C + c0 + v * ET_VEC) : et_splat(0.0f);
             }
             ET_PRAGMA_UNROLL(8)
             for (int p = 0; p < P; p++)
                 ET_PRAGMA_UNROLL(4)
-                for (int v = 0; v < CVN; v++) {
+                for (int v = 0; v < ET_CV; v++) {
                     const et_vf xv = et_load(x + p * xs + v * ET_VEC);
                     ET_PRAGMA_UNROLL(4)
-                    for (int r = 0; r < R; r++) {
+                    for (int r = 0; r < ET_RT; r++) {
                         const int ky = j - r * S;
                         if (ky >= 0 && ky < 3) acc[r][p][v] += xv * w[r][v];
                     }
@@ -80,18 +82,21 @@ ET_INLINE void tile(const float *X, const float *Wt, float *Y, int64_t H, int64_
         }
     }
     ET_PRAGMA_UNROLL(4)
-    for (int r = 0; r < R; r++)
-        ET_PRAGMA_UNROLL(8)
-        for (int p = 0; p < P; p++)
-            ET_PRAGMA_UNROLL(4)
-            for (int v = 0; v < CVN; v++) et_store(Y + ((oy0 + r) * Wo + ox0 + p) * C + c0 + v * ET_VEC, acc[r][p][v]);
+    for (int r = 0; r < ET_RT; r++)
+        if (r < nrows)
+            ET_PRAGMA_UNROLL(8)
+            for (int p = 0; p < P; p++)
+                ET_PRAGMA_UNROLL(4)
+                for (int v = 0; v < ET_CV; v++)
+                    et_store(Y + ((oy0 + r) * Wo + ox0 + p) * C + c0 + v * ET_VEC, acc[r][p][v]);
 }
 
-/* Channels [c1, C) that fill no vector, for R rows from oy0: scalar. */
-static void scalar_tail(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
-                        int64_t oy0, int R, int64_t c1, int S) {
-    for (int r = 0; r < R; r++) {
-        const int64_t oy = oy0 + r, iy0 = oy * S - 1;
+/* Channels [c1, C), for nrows rows from oy0: scalar (the channels that fill no vector, or every channel when C
+ * holds fewer than ET_CV vectors). */
+static void scalar_part(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
+                        int64_t oy0, int64_t nrows, int64_t c1, int S) {
+    for (int64_t oy = oy0; oy < oy0 + nrows; oy++) {
+        const int64_t iy0 = oy * S - 1;
         for (int64_t ox = 0; ox < Wo; ox++) {
             const int64_t ix0 = ox * S - 1;
             for (int64_t c = c1; c < C; c++) {
@@ -111,77 +116,61 @@ static void scalar_tail(const float *X, const float *Wt, float *Y, int64_t H, in
     }
 }
 
-/* A pixel tile of P pixels at ox (interior: all kx in range) or a clamped border pixel. */
-#define TILE_AT(R, ox, P, c0, CVN, kx0, kx1) tile(X, Wt, Y, H, W, C, Wo, oy0, R, ox, P, c0, CVN, S, kx0, kx1)
+/* Every pixel tile of a row: DO(ox, P, kx0, kx1). The left border pixel and the right border run [hi, Wo) get
+ * one-pixel tiles with clamped taps. The interior run [lo, hi) gets WT-pixel tiles, the last one shifted left to
+ * end at hi (it recomputes a few pixels rather than needing a remainder tile); a run shorter than WT gets
+ * one-pixel tiles. */
+#define BORDER(DO, ox)                                                                                       \
+    do {                                                                                                     \
+        const int64_t ix0_ = (ox) * S - 1;                                                                   \
+        DO((ox), 1, ix0_ < 0 ? (int)-ix0_ : 0, W - ix0_ < 3 ? (int)(W - ix0_) : 3);                          \
+    } while (0)
+#define PIXEL_TILES(DO)                                                                                      \
+    do {                                                                                                     \
+        for (int64_t ox = 0; ox < lo; ox++) BORDER(DO, ox);                                                  \
+        if (hi - lo >= ET_WT)                                                                                \
+            for (int64_t ox = lo; ox < hi; ox += ET_WT) DO(ox + ET_WT <= hi ? ox : hi - ET_WT, ET_WT, 0, 3);  \
+        else                                                                                                 \
+            for (int64_t ox = lo; ox < hi; ox++) BORDER(DO, ox);                                             \
+        for (int64_t ox = hi; ox < Wo; ox++) BORDER(DO, ox);                                                 \
+    } while (0)
+/* Channel tiles of ET_CV vectors; the last is shifted down to end at vector nv (nv >= ET_CV here). */
+#define CHANNEL_TILES(DO)                                                                                    \
+    do {                                                                                                     \
+        for (int64_t v = 0; v < nv; v += ET_CV) DO((v + ET_CV <= nv ? v : nv - ET_CV) * ET_VEC);             \
+    } while (0)
 
+ET_INLINE void row_tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
+                        int64_t oy0, int64_t nrows, int64_t lo, int64_t hi, int64_t nv, const int S) {
 #ifdef ET_ORDER_C_OUTER
-/* Channel tiles outer: each sweeps the row's pixels (border, interior run, remainder, border). */
-#define PIXELS(R, c0, CVN)                                                                                   \
+#define PX(ox, P, kx0, kx1) tile(X, Wt, Y, H, W, C, Wo, oy0, nrows, ox, P, c0, S, kx0, kx1)
+#define CH(c0_)                                                                                              \
     do {                                                                                                     \
-        for (int64_t ox = 0; ox < Wo; ox++) {                                                                \
-            if (ox == lo) {                                                                                  \
-                for (; ox + ET_WT <= hi; ox += ET_WT) TILE_AT(R, ox, ET_WT, c0, CVN, 0, 3);                  \
-                switch (hi - ox) {                                                                           \
-                case 0: break;                                                                               \
-                case 1: if (1 < ET_WT) TILE_AT(R, ox, 1, c0, CVN, 0, 3); break;                              \
-                case 2: if (2 < ET_WT) TILE_AT(R, ox, 2, c0, CVN, 0, 3); break;                              \
-                case 3: if (3 < ET_WT) TILE_AT(R, ox, 3, c0, CVN, 0, 3); break;                              \
-                case 4: if (4 < ET_WT) TILE_AT(R, ox, 4, c0, CVN, 0, 3); break;                              \
-                case 5: if (5 < ET_WT) TILE_AT(R, ox, 5, c0, CVN, 0, 3); break;                              \
-                case 6: if (6 < ET_WT) TILE_AT(R, ox, 6, c0, CVN, 0, 3); break;                              \
-                case 7: if (7 < ET_WT) TILE_AT(R, ox, 7, c0, CVN, 0, 3); break;                              \
-                }                                                                                            \
-                ox = hi;                                                                                     \
-                if (ox >= Wo) break;                                                                         \
-            }                                                                                                \
-            const int64_t ix0 = ox * S - 1;                                                                  \
-            const int kx0 = ix0 < 0 ? (int)-ix0 : 0, kx1 = W - ix0 < 3 ? (int)(W - ix0) : 3;                 \
-            TILE_AT(R, ox, 1, c0, CVN, kx0, kx1);                                                            \
-        }                                                                                                    \
+        const int64_t c0 = (c0_);                                                                            \
+        PIXEL_TILES(PX);                                                                                     \
     } while (0)
-
-ET_INLINE void row_tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
-                        int64_t oy0, const int R, int64_t lo, int64_t hi, int64_t nv, const int S) {
-    int64_t v = 0;
-    for (; v + ET_CV <= nv; v += ET_CV) PIXELS(R, v * ET_VEC, ET_CV);
-    for (; v < nv; v++) PIXELS(R, v * ET_VEC, 1);
-}
+    CHANNEL_TILES(CH);
 #else
-/* Pixel tiles outer: each sweeps all channel vectors. */
-#define CHANNELS(R, ox, P, kx0, kx1)                                                                         \
+#define CH(c0) tile(X, Wt, Y, H, W, C, Wo, oy0, nrows, ox_, P_, c0, S, kx0_, kx1_)
+#define PX(ox, P, kx0, kx1)                                                                                  \
     do {                                                                                                     \
-        int64_t v = 0;                                                                                       \
-        for (; v + ET_CV <= nv; v += ET_CV) TILE_AT(R, ox, P, v * ET_VEC, ET_CV, kx0, kx1);                  \
-        for (; v < nv; v++) TILE_AT(R, ox, P, v * ET_VEC, 1, kx0, kx1);                                      \
+        const int64_t ox_ = (ox);                                                                            \
+        const int P_ = (P), kx0_ = (kx0), kx1_ = (kx1);                                                      \
+        CHANNEL_TILES(CH);                                                                                   \
     } while (0)
-
-ET_INLINE void row_tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
-                        int64_t oy0, const int R, int64_t lo, int64_t hi, int64_t nv, const int S) {
-    for (int64_t ox = 0; ox < Wo; ox++) {
-        if (ox == lo) {
-            for (; ox + ET_WT <= hi; ox += ET_WT) CHANNELS(R, ox, ET_WT, 0, 3);
-            switch (hi - ox) {
-            case 0: break;
-#define REM(n) case n: if (n < ET_WT) CHANNELS(R, ox, n, 0, 3); break;
-            REM(1) REM(2) REM(3) REM(4) REM(5) REM(6) REM(7)
-#undef REM
-            }
-            ox = hi;
-            if (ox >= Wo) break;
-        }
-        const int64_t ix0 = ox * S - 1;
-        const int kx0 = ix0 < 0 ? (int)-ix0 : 0, kx1 = W - ix0 < 3 ? (int)(W - ix0) : 3;
-        CHANNELS(R, ox, 1, kx0, kx1);
-    }
-}
+    PIXEL_TILES(PX);
 #endif
+#undef PX
+#undef CH
+}
 
 ET_INLINE int dwconv(const int64_t *dims, float *const *bufs, const int S) {
     const int64_t H = dims[0], W = dims[1], C = dims[2];
     const int64_t Ho = (H - 1) / S + 1, Wo = (W - 1) / S + 1;
     const float *X = bufs[0], *Wt = bufs[1];
     float *Y = bufs[2];
-    const int64_t nv = C / ET_VEC, c1 = nv * ET_VEC; /* full channel vectors; [c1, C) is the scalar tail */
+    const int64_t nv = C / ET_VEC;                      /* full channel vectors */
+    const int64_t c1 = nv >= ET_CV ? nv * ET_VEC : 0;   /* [c1, C) runs scalar */
     /* interior output columns [lo, hi): ox*S-1 >= 0 and ox*S+1 <= W-1 */
     const int64_t lo = 1;
     int64_t hi = W >= 2 ? (W - 2) / S + 1 : 0;
@@ -190,13 +179,9 @@ ET_INLINE int dwconv(const int64_t *dims, float *const *bufs, const int S) {
     const int64_t ntiles = (Ho + ET_RT - 1) / ET_RT;
     ET_PARALLEL_FOR
     for (int64_t t = 0; t < ntiles; t++) {
-        const int64_t oy0 = t * ET_RT;
-        if (oy0 + ET_RT <= Ho) {
-            row_tile(X, Wt, Y, H, W, C, Wo, oy0, ET_RT, lo, hi, nv, S);
-        } else {
-            for (int64_t oy = oy0; oy < Ho; oy++) row_tile(X, Wt, Y, H, W, C, Wo, oy, 1, lo, hi, nv, S);
-        }
-        if (c1 < C) scalar_tail(X, Wt, Y, H, W, C, Wo, oy0, (int)(Ho - oy0 < ET_RT ? Ho - oy0 : ET_RT), c1, S);
+        const int64_t oy0 = t * ET_RT, nrows = Ho - oy0 < ET_RT ? Ho - oy0 : ET_RT;
+        if (c1 > 0) row_tile(X, Wt, Y, H, W, C, Wo, oy0, nrows, lo, hi, nv, S);
+        if (c1 < C) scalar_part(X, Wt, Y, H, W, C, Wo, oy0, nrows, c1, S);
     }
     return 0;
 }

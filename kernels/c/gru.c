@@ -4,11 +4,12 @@
  * dims: T, I, H. bufs: x[T, I], W[3H, I], R[3H, H], B[6H] (Wb then Rb), h0[H], Y[T, H] (every hidden state).
  * Gate order is z, r, h as in ONNX. Hidden units are padded to Hp (a multiple of VEC) in all scratch buffers, so
  * the gate math is whole vectors; padded lanes stay exactly zero.
- * Knobs: LAYOUT_COLS (W and R transposed once per call to [in, 3, Hp]: each step is broadcast-FMA over vectors of
- * units) | LAYOUT_ROWS (read W and R in place: dot products over rows, horizontal sums); ORDER_PRE (all input
- * projections W x_t as one GEMM before the recurrence) | ORDER_STEP (W x_t computed inside each step);
- * UT units (rows) or unit vectors (cols) per register tile, times 3 gates; VEC; UNROLL of the inner product loop;
- * PREFETCH distance in weight rows; THREADS over the hidden units of each step (one barrier per step).
+ * Knobs: LAYOUT_COLS (W and R transposed once per call into panels of UT*VEC units: each step is broadcast-FMA
+ * over vectors of units, streaming each panel sequentially) | LAYOUT_ROWS (read W and R in place: dot products
+ * over rows, horizontal sums); ORDER_PRE (all input projections W x_t as one GEMM before the recurrence) |
+ * ORDER_STEP (W x_t computed inside each step); UT units (rows) or unit vectors (cols) per register tile, times 3
+ * gates; VEC; UNROLL of the inner product loop; PREFETCH distance in weight rows; THREADS over the hidden units of
+ * each step (a spin barrier per step).
  */
 #ifndef ET_UT
 #define ET_UT 2
@@ -23,6 +24,7 @@
 #define ET_ORDER_PRE
 #endif
 #include <math.h>
+#include <sched.h>
 #include <stdlib.h>
 
 #include "edgetune_kernel.h"
@@ -33,13 +35,40 @@
 #define GRU_TID omp_get_thread_num()
 #define GRU_PARALLEL ET_PRAGMA(omp parallel num_threads(ET_THREADS))
 #define GRU_FOR ET_PRAGMA(omp for schedule(static))
-#define GRU_BARRIER ET_PRAGMA(omp barrier)
 #else
 #define GRU_NTH 1
 #define GRU_TID 0
 #define GRU_PARALLEL
 #define GRU_FOR
-#define GRU_BARRIER
+#endif
+
+#if GRU_NTH > 1
+/* Sense-reversing spin barrier for the per-step sync: an OpenMP barrier under OMP_WAIT_POLICY=PASSIVE sleeps in
+ * the kernel and costs tens of microseconds, more than a whole step. Spins briefly, then yields. */
+typedef struct {
+    int count, sense;
+} gru_bar;
+static inline void gru_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+    __asm__ __volatile__("yield");
+#endif
+}
+static inline void gru_barrier(gru_bar *b, int *local) {
+    *local ^= 1;
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == GRU_NTH) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, *local, __ATOMIC_RELEASE);
+    } else {
+        for (unsigned spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != *local; spins++) {
+            if (spins < 1000)
+                gru_cpu_relax();
+            else
+                sched_yield();
+        }
+    }
+}
 #endif
 
 typedef int32_t gru_vi __attribute__((vector_size(ET_VEC * sizeof(int32_t))));
@@ -67,44 +96,68 @@ static inline et_vf gru_sigmoid(et_vf x) { return 1.0f / (1.0f + gru_exp(-x)); }
 static inline et_vf gru_tanh(et_vf x) { return 2.0f / (1.0f + gru_exp(-2.0f * x)) - 1.0f; }
 
 #ifdef ET_LAYOUT_COLS
-/* out[g*Hp + u] = sum_i v[i] * AT[(i*3 + g)*Hp + u] for u in [u0, u0 + nv*VEC): nv unit vectors x 3 gates. */
-static inline __attribute__((always_inline)) void tile_cols(int nv, const float *AT, int64_t n, int64_t Hp,
-                                                             const float *v, int64_t u0, float *out) {
+/* Packed panels: units are cut into tiles of TU = UT*VEC (the last one narrower, w = min(TU, Hp - u0)); the panel
+ * of the tile at u0 holds P[(i*3 + g)*w + c] = A[(g*H + u0 + c)*n + i] (0 for padded units) at AP + u0*3*n, so a
+ * step streams each panel sequentially. */
+#define GRU_TU (ET_UT * ET_VEC)
+#define GRU_GRAIN GRU_TU
+
+/* out[g*Hp + j*VEC + c] += sum_i v[i] * P[(i*3 + g)*w + j*VEC + c] for nv vectors j, 3 gates. */
+static inline __attribute__((always_inline)) void tile_cols(int nv, const float *P, int64_t w, int64_t n,
+                                                             int64_t Hp, const float *v, float *out) {
     et_vf acc[3][ET_UT];
     for (int g = 0; g < 3; g++)
         for (int j = 0; j < nv; j++) acc[g][j] = et_splat(0.0f);
-    const float *a = AT + u0;
     ET_PRAGMA_UNROLL(ET_UNROLL)
     for (int64_t i = 0; i < n; i++) {
         const et_vf s = et_splat(v[i]);
-        const float *row = a + i * 3 * Hp;
+        const float *row = P + i * 3 * w;
 #if ET_PREFETCH > 0
-        __builtin_prefetch(row + ET_PREFETCH * 3 * Hp, 0, 3);
+        __builtin_prefetch(row + ET_PREFETCH * 3 * w, 0, 3);
 #endif
         for (int g = 0; g < 3; g++)
-            for (int j = 0; j < nv; j++) acc[g][j] += s * et_load(row + g * Hp + j * ET_VEC);
+            for (int j = 0; j < nv; j++) acc[g][j] += s * et_load(row + g * w + j * ET_VEC);
     }
     for (int g = 0; g < 3; g++)
-        for (int j = 0; j < nv; j++) et_store(out + g * Hp + u0 + j * ET_VEC, acc[g][j]);
+        for (int j = 0; j < nv; j++) et_store(out + g * Hp + j * ET_VEC, acc[g][j]);
 }
 
-/* Projections of the 3 gates for padded units [U0, U1) (multiples of VEC). */
-static void proj(const float *AT, int64_t n, int64_t H, int64_t Hp, const float *v, int64_t U0, int64_t U1,
+/* Projections of the 3 gates for padded units [U0, U1) (U0 a tile start). */
+static void proj(const float *AP, int64_t n, int64_t H, int64_t Hp, const float *v, int64_t U0, int64_t U1,
                  float *out) {
     (void)H;
-    int64_t u = U0;
-    for (; u + ET_UT * ET_VEC <= U1; u += ET_UT * ET_VEC) tile_cols(ET_UT, AT, n, Hp, v, u, out);
-    for (; u < U1; u += ET_VEC) tile_cols(1, AT, n, Hp, v, u, out);
+    for (int64_t u = U0; u < U1; u += GRU_TU) {
+        const int64_t w = Hp - u < GRU_TU ? Hp - u : GRU_TU;
+        const float *P = AP + u * 3 * n;
+        if (w == GRU_TU)
+            tile_cols(ET_UT, P, w, n, Hp, v, out + u);
+        else
+            for (int64_t j = 0; j < w; j += ET_VEC) tile_cols(1, P + j, w, n, Hp, v, out + u + j);
+    }
 }
 
-/* AT[(i*3 + g)*Hp + u] = A[(g*H + u)*n + i], zero for u >= H; rows i in [i0, i1). */
-static void transpose_rows(const float *A, float *AT, int64_t n, int64_t H, int64_t Hp, int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i++)
-        for (int g = 0; g < 3; g++) {
-            float *dst = AT + (i * 3 + g) * Hp;
-            for (int64_t u = 0; u < H; u++) dst[u] = A[(g * H + u) * n + i];
-            for (int64_t u = H; u < Hp; u++) dst[u] = 0.0f;
-        }
+/* Register tiles of the input projection GEMM: how many tiles cover the layer, and where one ends. */
+static inline int64_t gemm_tiles(int64_t H, int64_t Hp) { (void)H; return (Hp + GRU_TU - 1) / GRU_TU; }
+static inline int64_t tile_end(int64_t H, int64_t Hp, int64_t u) { (void)H; return u + GRU_TU < Hp ? u + GRU_TU : Hp; }
+#define GRU_TILE_UNITS GRU_TU
+
+/* Pack input rows i in [i0, i1) of A [3H, n] into panels (a block whose destination rows stay in L1 while each
+ * source row is read one cache line at a time). */
+static void pack_block(const float *A, float *AP, int64_t n, int64_t H, int64_t Hp, int64_t i0, int64_t i1) {
+    for (int64_t u0 = 0; u0 < Hp; u0 += GRU_TU) {
+        const int64_t w = Hp - u0 < GRU_TU ? Hp - u0 : GRU_TU;
+        float *P = AP + u0 * 3 * n;
+        for (int g = 0; g < 3; g++)
+            for (int64_t c = 0; c < w; c++) {
+                const int64_t u = u0 + c;
+                if (u < H) {
+                    const float *src = A + (g * H + u) * n;
+                    for (int64_t i = i0; i < i1; i++) P[(i * 3 + g) * w + c] = src[i];
+                } else {
+                    for (int64_t i = i0; i < i1; i++) P[(i * 3 + g) * w + c] = 0.0f;
+                }
+            }
+    }
 }
 #else
 /* out[g*Hp + u + r] = dot(A[g*H + u + r, 0:n], v) for nu units from u, 3 gates. */
@@ -141,6 +194,11 @@ static void proj(const float *A, int64_t n, int64_t H, int64_t Hp, const float *
     for (; u + ET_UT <= end; u += ET_UT) tile_rows(ET_UT, A, n, H, Hp, v, u, out);
     for (; u < end; u++) tile_rows(1, A, n, H, Hp, v, u, out);
 }
+
+#define GRU_TILE_UNITS ET_UT
+#define GRU_GRAIN ET_VEC
+static inline int64_t gemm_tiles(int64_t H, int64_t Hp) { (void)Hp; return (H + ET_UT - 1) / ET_UT; }
+static inline int64_t tile_end(int64_t H, int64_t Hp, int64_t u) { (void)Hp; return u + ET_UT < H ? u + ET_UT : H; }
 #endif
 
 static int et_kernel(const int64_t *dims, float *const *bufs) {
@@ -159,12 +217,16 @@ static int et_kernel(const int64_t *dims, float *const *bufs) {
 #else
     const int64_t nT = 0;
 #endif
-    /* scratch: bias [4][Hp] (z, r: Wb+Rb; h: Wb; Rbh), h ping-pong [2][Hp], recurrent sums [3][Hp], G, transposes */
-    float *scr = calloc(4 * Hp + 2 * Hp + 3 * Hp + nG + nT + ET_VEC, sizeof(float));
+    /* scratch, every part 64-byte aligned: bias [4][Hp] (z, r: Wb+Rb; h: Wb; Rbh), h ping-pong [2][Hp],
+     * recurrent sums [3][Hp], input projections G, packed weight panels */
+#define GRU_A16(n) (((n) + 15) & ~(int64_t)15)
+    const int64_t n_scr = GRU_A16(4 * Hp) + GRU_A16(2 * Hp) + GRU_A16(3 * Hp) + GRU_A16(nG) + GRU_A16(nT);
+    float *scr = aligned_alloc(64, sizeof(float) * n_scr);
     if (!scr) return 2;
-    float *bias = scr, *hb = bias + 4 * Hp, *S = hb + 2 * Hp, *G = S + 3 * Hp;
+    memset(scr, 0, sizeof(float) * (n_scr - GRU_A16(nT))); /* panels are written whole */
+    float *bias = scr, *hb = bias + GRU_A16(4 * Hp), *S = hb + GRU_A16(2 * Hp), *G = S + GRU_A16(3 * Hp);
 #ifdef ET_LAYOUT_COLS
-    float *RT = G + nG, *WT = RT + 3 * Hp * H;
+    float *RT = G + GRU_A16(nG), *WT = RT + 3 * Hp * H;
     const float *Rm = RT, *Wm = WT;
 #else
     const float *Rm = R, *Wm = W;
@@ -177,23 +239,36 @@ static int et_kernel(const int64_t *dims, float *const *bufs) {
         hb[u] = h0[u];
     }
 
+#if GRU_NTH > 1
+    gru_bar bar = {0, 0};
+#endif
     GRU_PARALLEL
     {
         const int p = GRU_TID;
-        const int64_t nvec = Hp / ET_VEC;
-        const int64_t U0 = nvec * p / GRU_NTH * ET_VEC, U1 = nvec * (p + 1) / GRU_NTH * ET_VEC;
+#if GRU_NTH > 1
+        int sense = 0;
+#endif
+        /* this thread's hidden units: whole grains (a packed tile in the cols layout, a vector in rows) */
+        const int64_t ngr = (Hp + GRU_GRAIN - 1) / GRU_GRAIN;
+        const int64_t U0 = ngr * p / GRU_NTH * GRU_GRAIN, U1e = ngr * (p + 1) / GRU_NTH * GRU_GRAIN;
+        const int64_t U1 = U1e < Hp ? U1e : Hp;
 #ifdef ET_LAYOUT_COLS
+        const int64_t nbr = (H + 15) / 16, nbw = (I + 15) / 16;
         GRU_FOR
-        for (int64_t i = 0; i < H + I; i++) {
-            if (i < H)
-                transpose_rows(R, RT, H, H, Hp, i, i + 1);
+        for (int64_t b = 0; b < nbr + nbw; b++) {
+            if (b < nbr)
+                pack_block(R, RT, H, H, Hp, b * 16, b * 16 + 16 < H ? b * 16 + 16 : H);
             else
-                transpose_rows(W, WT, I, H, Hp, i - H, i - H + 1);
+                pack_block(W, WT, I, H, Hp, (b - nbr) * 16, (b - nbr) * 16 + 16 < I ? (b - nbr) * 16 + 16 : I);
         }
 #endif
 #ifdef ET_ORDER_PRE
+        /* one register tile of units at a time over every step: its weights stay in L1 */
         GRU_FOR
-        for (int64_t t = 0; t < T; t++) proj(Wm, I, H, Hp, x + t * I, 0, Hp, G + t * 3 * Hp);
+        for (int64_t k = 0; k < gemm_tiles(H, Hp); k++) {
+            const int64_t u = k * GRU_TILE_UNITS, ue = tile_end(H, Hp, u);
+            for (int64_t t = 0; t < T; t++) proj(Wm, I, H, Hp, x + t * I, u, ue, G + t * 3 * Hp);
+        }
 #endif
         for (int64_t t = 0; t < T; t++) {
             const float *hp = hb + (t & 1) * Hp;
@@ -217,7 +292,9 @@ static int et_kernel(const int64_t *dims, float *const *bufs) {
                 else
                     for (int64_t j = 0; u + j < H; j++) y[u + j] = h[j];
             }
-            GRU_BARRIER
+#if GRU_NTH > 1
+            gru_barrier(&bar, &sense);
+#endif
         }
     }
     free(scr);

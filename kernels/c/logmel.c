@@ -6,10 +6,11 @@
  * The real FFT is an n_fft/2-point complex FFT (even samples real, odd samples imaginary) plus a split step.
  * A tile of FV*VEC frames is transformed at once in a frames-innermost layout, so every butterfly, the power
  * spectrum and the filterbank are whole-vector operations with broadcast twiddles/weights (no shuffles).
- * Knobs: FV frame vectors per tile, VEC floats per vector, FFT_R2 | FFT_R4 (radix-2 passes, or two radix-2
- * stages fused per pass: half the passes over the tile), MEL_DENSE | MEL_SPARSE (all bins, or only each filter's
- * nonzero bin range, found by a scan of the filterbank), UNROLL of the butterfly and filterbank loops,
- * PREFETCH distance in frames for the audio, THREADS over frame tiles.
+ * Knobs: FV frame vectors per tile, VEC floats per vector, GATHER_FRAME | GATHER_POINT (framing loop order: each
+ * frame's samples in turn, scattered into the tile, or each FFT point across the tile's frames), FFT_R2 | FFT_R4
+ * (radix-2 passes, or two radix-2 stages fused per pass: half the passes over the tile), MEL_DENSE | MEL_SPARSE
+ * (all bins, or only each filter's nonzero bin range, found by a scan of the filterbank), UNROLL of the butterfly,
+ * split and filterbank loops, PREFETCH of the audio PREFETCH frames ahead (0 = off), THREADS over frame tiles.
  */
 #ifndef ET_FV
 #define ET_FV 2
@@ -19,6 +20,9 @@
 #endif
 #if !defined(ET_FFT_R2) && !defined(ET_FFT_R4)
 #define ET_FFT_R4
+#endif
+#if !defined(ET_GATHER_FRAME) && !defined(ET_GATHER_POINT)
+#define ET_GATHER_POINT
 #endif
 #if !defined(ET_MEL_DENSE) && !defined(ET_MEL_SPARSE)
 #define ET_MEL_SPARSE
@@ -76,15 +80,48 @@ static inline void bfly(float *re, float *im, int64_t a, int64_t b, float wr, fl
     }
 }
 
+/* The first pass of length 2 (twiddle 1): additions only. */
+static void pass2_trivial(float *re, float *im, int64_t M) {
+    for (int64_t s = 0; s < M; s += 2)
+        for (int v = 0; v < ET_FV; v++) {
+            const int64_t o = v * ET_VEC;
+            et_vf r0 = LD(re + s * FT + o), m0 = LD(im + s * FT + o);
+            et_vf r1 = LD(re + (s + 1) * FT + o), m1 = LD(im + (s + 1) * FT + o);
+            ST(re + s * FT + o, r0 + r1), ST(im + s * FT + o, m0 + m1);
+            ST(re + (s + 1) * FT + o, r0 - r1), ST(im + (s + 1) * FT + o, m0 - m1);
+        }
+}
+
+#ifdef ET_FFT_R4
+/* The first fused pass (lengths 2 and 4): twiddles 1, 1 and -i, so additions only. */
+static void pass4_trivial(float *re, float *im, int64_t M) {
+    for (int64_t s = 0; s < M; s += 4)
+        for (int v = 0; v < ET_FV; v++) {
+            const int64_t o = v * ET_VEC;
+            float *pr = re + s * FT + o, *pi = im + s * FT + o;
+            et_vf r0 = LD(pr), m0 = LD(pi), r1 = LD(pr + FT), m1 = LD(pi + FT);
+            et_vf r2 = LD(pr + 2 * FT), m2 = LD(pi + 2 * FT), r3 = LD(pr + 3 * FT), m3 = LD(pi + 3 * FT);
+            et_vf a0 = r0 + r1, b0 = m0 + m1, a1 = r0 - r1, b1 = m0 - m1;
+            et_vf a2 = r2 + r3, b2 = m2 + m3, a3 = r2 - r3, b3 = m2 - m3;
+            ST(pr, a0 + a2), ST(pi, b0 + b2), ST(pr + 2 * FT, a0 - a2), ST(pi + 2 * FT, b0 - b2);
+            /* x3 * -i = (b3, -a3) */
+            ST(pr + FT, a1 + b3), ST(pi + FT, b1 - a3), ST(pr + 3 * FT, a1 - b3), ST(pi + 3 * FT, b1 + a3);
+        }
+}
+#endif
+
 /* In-place complex FFT of M points (input already in bit-reversed order), FT lanes per point. */
 static void fft_tile(float *re, float *im, int64_t M, int64_t N, const float *twr, const float *twi) {
     int64_t L = 2;
 #ifdef ET_FFT_R4
     int stages = 0;
     while ((1LL << stages) < M) stages++;
-    if (stages & 1) { /* one plain stage of length 2 (twiddle 1), then fused pairs */
-        for (int64_t s = 0; s < M; s += 2) bfly(re, im, s, s + 1, 1.0f, 0.0f);
+    if (stages & 1) { /* one plain stage of length 2, then fused pairs */
+        pass2_trivial(re, im, M);
         L = 4;
+    } else if (M >= 4) {
+        pass4_trivial(re, im, M);
+        L = 8;
     }
     for (; 2 * L <= M; L <<= 2) {
         const int64_t q = L / 2, sa = N / L, sb = N / (2 * L);
@@ -116,6 +153,11 @@ static void fft_tile(float *re, float *im, int64_t M, int64_t N, const float *tw
                 }
             }
         }
+    }
+#else
+    if (M >= 2) {
+        pass2_trivial(re, im, M);
+        L = 4;
     }
 #endif
     for (; L <= M; L <<= 1) {
@@ -175,6 +217,29 @@ static int et_kernel(const int64_t *dims, float *const *bufs) {
         for (int64_t t = t0; t < t1; t++) {
             const int64_t f0 = t * FT, nf = frames - f0 < FT ? frames - f0 : FT;
             /* gather: window, split even/odd samples into re/im, bit-reversed point order, frames innermost */
+#ifdef ET_GATHER_POINT
+            /* points outer, frames inner: strided reads (one hop apart), contiguous writes */
+            for (int64_t f = nf; f < FT; f++)
+                for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
+            {
+                const float *src0 = audio + f0 * hop;
+#if ET_PREFETCH > 0
+                /* the audio that the next PREFETCH frames after this tile add */
+                if (f0 + FT < frames)
+                    for (int64_t o = 0; o < ET_PREFETCH * hop; o += 16)
+                        __builtin_prefetch(src0 + (FT - 1) * hop + N + o, 0, 3);
+#endif
+                for (int64_t n = 0; n < M; n++) {
+                    const int64_t j = rev[n];
+                    const float we = win[2 * n], wo = win[2 * n + 1];
+                    float *dr = re + j * FT, *di = im + j * FT;
+                    for (int64_t f = 0; f < nf; f++) {
+                        dr[f] = src0[f * hop + 2 * n] * we;
+                        di[f] = src0[f * hop + 2 * n + 1] * wo;
+                    }
+                }
+            }
+#else
             for (int64_t f = 0; f < FT; f++) {
                 if (f >= nf) {
                     for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
@@ -191,6 +256,7 @@ static int et_kernel(const int64_t *dims, float *const *bufs) {
                     im[j * FT + f] = src[2 * n + 1] * win[2 * n + 1];
                 }
             }
+#endif
             fft_tile(re, im, M, N, twr, twi);
             /* split the half-length complex spectrum Z into the real signal's spectrum X, then |X|^2 */
             for (int v = 0; v < ET_FV; v++) {

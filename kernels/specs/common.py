@@ -42,3 +42,18 @@ def const(name: str, value: np.ndarray) -> Any:
 
 def rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def vector_registers(hw) -> int:
+    """Architectural SIMD registers: 32 on AVX-512 (EVEX) and AArch64, 16 on AVX2/SSE and 32-bit NEON."""
+    arch = getattr(hw, "arch", None)
+    if arch == "aarch64":
+        return 32
+    if arch in (None, "x86_64"):
+        return 32 if hw.vector_bits >= 512 else 16
+    return 16
+
+
+def out_size(n: int, stride: int) -> int:
+    """Output extent of a 3x3 window with pad 1: (n + 2 - 3) // stride + 1."""
+    return (n - 1) // stride + 1

@@ -4,25 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.space import Constraint, enum, pow2
+from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, const, onnx_model,
-                                  rand)
-
-
-def vector_registers(hw) -> int:
-    """Architectural SIMD registers: 32 on AVX-512 (EVEX) and AArch64, 16 on AVX2/SSE and 32-bit NEON."""
-    arch = getattr(hw, "arch", None)
-    if arch == "aarch64":
-        return 32
-    if arch in (None, "x86_64"):
-        return 32 if hw.vector_bits >= 512 else 16
-    return 16
-
-
-def out_size(n: int, stride: int) -> int:
-    """Output extent of a 3x3 window with pad 1: (n + 2 - 3) // stride + 1."""
-    return (n - 1) // stride + 1
+                                  out_size, rand, vector_registers)
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
@@ -51,8 +36,8 @@ def _twin(s: dict) -> bytes:
     nodes = [
         helper.make_node("Unsqueeze", ["X", "axes0"], ["X4"]),  # [1,H,W,Cin]
         helper.make_node("Transpose", ["X4"], ["Xn"], perm=[0, 3, 1, 2]),  # [1,Cin,H,W]
-        helper.make_node("Transpose", ["Wt"], ["Wo"], perm=[3, 2, 0, 1]),  # HWIO -> OIHW
-        helper.make_node("Conv", ["Xn", "Wo"], ["Yn"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[S, S]),
+        helper.make_node("Transpose", ["Wt"], ["Woihw"], perm=[3, 2, 0, 1]),  # HWIO -> OIHW
+        helper.make_node("Conv", ["Xn", "Woihw"], ["Yn"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[S, S]),
         helper.make_node("Transpose", ["Yn"], ["Y4"], perm=[0, 2, 3, 1]),  # [1,Ho,Wo,Cout]
         helper.make_node("Squeeze", ["Y4", "axes0"], ["Y"]),
     ]

@@ -7,22 +7,7 @@ import numpy as np
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, const, onnx_model,
-                                  rand)
-
-
-def vector_registers(hw) -> int:
-    """Architectural SIMD registers: 32 on AVX-512 (EVEX) and AArch64, 16 on AVX2/SSE and 32-bit NEON."""
-    arch = getattr(hw, "arch", None)
-    if arch == "aarch64":
-        return 32
-    if arch in (None, "x86_64"):
-        return 32 if hw.vector_bits >= 512 else 16
-    return 16
-
-
-def out_size(n: int, stride: int) -> int:
-    """Output extent of a 3x3 window with pad 1: (n + 2 - 3) // stride + 1."""
-    return (n - 1) // stride + 1
+                                  out_size, rand, vector_registers)
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:

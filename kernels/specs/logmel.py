@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.space import enum
+from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
 
@@ -27,7 +27,8 @@ def twiddles(n_fft: int) -> np.ndarray:
     return np.stack([np.cos(ang), -np.sin(ang)]).astype(np.float32)
 
 
-def mel_filterbank(n_fft: int, mels: int, sr: int = SAMPLE_RATE, fmin: float = 0.0, fmax: float | None = None) -> np.ndarray:
+def mel_filterbank(n_fft: int, mels: int, sr: int = SAMPLE_RATE, fmin: float = 0.0,
+                   fmax: float | None = None) -> np.ndarray:
     """[n_fft/2+1, mels] HTK-mel triangles with unit peak (torchaudio melscale_fbanks, mel_scale="htk", norm=None)."""
     fmax = sr / 2 if fmax is None else fmax
 
@@ -135,19 +136,28 @@ SPEC = KernelSpec(
     params=(
         enum("fv", 1, 2, 4, help="frame vectors per tile (tile = fv*vec frames transformed together)"),
         VEC,
+        enum("gather", "frame", "point", help="framing loop order: frame by frame, or point by point across frames"),
         enum("fft", "r2", "r4", help="FFT passes: radix-2, or two radix-2 stages fused per pass"),
         enum("mel", "dense", "sparse", help="filterbank over all bins, or each filter's nonzero bin range only"),
         enum("unroll", 1, 2, 4, help="unroll of the butterfly, split and filterbank loops"),
         PREFETCH,
         THREADS,
     ),
-    constraints=(VEC_FITS_ISA, THREADS_FIT_CORES),
-    default={"fv": 2, "vec": 8, "fft": "r4", "mel": "sparse", "unroll": 2, "prefetch": 0, "threads": 1},
+    constraints=(
+        VEC_FITS_ISA,
+        THREADS_FIT_CORES,
+        Constraint("a frame tile longer than the frame count only transforms padding",
+                   lambda c, s, hw: c["fv"] == 1 or c["fv"] * c["vec"] <= frames_of(s)),
+    ),
+    default={"fv": 2, "vec": 8, "gather": "point", "fft": "r4", "mel": "sparse", "unroll": 2, "prefetch": 0,
+             "threads": 1},
     workloads=(
         Workload("kws.logmel", {"samples": 16000, "n_fft": 512, "hop": 160, "mels": 40},
-                 "keyword spotting front end (DS-CNN / TC-ResNet): 1 s @16 kHz, 30 ms windows (480 -> 512), 10 ms hop, 40 mels"),
+                 "keyword spotting front end (DS-CNN / TC-ResNet): 1 s @16 kHz, 30 ms windows (480 -> 512), "
+                 "10 ms hop, 40 mels"),
         Workload("whisper_tiny.logmel", {"samples": 48000, "n_fft": 512, "hop": 160, "mels": 80},
-                 "Whisper tiny encoder input: a 3 s chunk @16 kHz, n_fft 512 (Whisper's 400 is not pow2), hop 160, 80 mels"),
+                 "Whisper tiny encoder input: a 3 s chunk @16 kHz, n_fft 512 (Whisper's 400 is not a power of two), "
+                 "hop 160, 80 mels"),
         Workload("wakeword.stream.logmel", {"samples": 16000, "n_fft": 256, "hop": 128, "mels": 32},
                  "streaming wake-word front end: a 1 s window @16 kHz, 16 ms frames, 8 ms hop, 32 mels"),
     ),

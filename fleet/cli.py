@@ -1,0 +1,314 @@
+"""`edgetune fleet …`: see and steer devices from the fleet side.
+
+  edgetune fleet listen  --broker HOST[:PORT] [--db F]         store everything devices publish (runs until stopped)
+  edgetune fleet devices [--db F] [--json]                      state, last seen, hw, tuned workloads, mean speedup
+  edgetune fleet show DEVICE [--db F] [--json]                  one device: info, active configs, records, status log
+  edgetune fleet retune  DEVICE --broker … [--kernel K] [--wait] send a retune command and follow its progress
+  edgetune fleet export-records -o FILE [--db F] [--json]       tuning records as JSONL training data
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from edgetune.errors import BadInput, EdgetuneError
+from edgetune.output import console, emit, err_console, fmt, json_flag, table
+from fleet.mqtt import add_broker_args, broker_opts
+from fleet.store import FleetStore, default_path
+
+log = logging.getLogger("fleet.cli")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fleet", help="fleet receiver: collect device reports over MQTT, list devices, send retunes",
+                       description=__doc__.splitlines()[0])
+    fs = p.add_subparsers(dest="fleet_verb", required=True, metavar="{listen,devices,show,retune,export-records}")
+
+    q = fs.add_parser("listen", help="subscribe to every device and store what they publish (until SIGINT/SIGTERM)")
+    add_broker_args(q)
+    _db_arg(q)
+    q.add_argument("--client-id", help="MQTT client id of the persistent session (default edgetune-fleet-<hostname>)")
+    q.add_argument("--session-expiry", type=int, default=7 * 24 * 3600, metavar="S",
+                   help="how long the broker keeps queueing for us while we are down (MQTT 5; default 7 days)")
+    json_flag(q)
+    q.set_defaults(func=cmd_listen)
+
+    q = fs.add_parser("devices", help="devices: online state, last seen, hw summary, tuned workloads, mean speedup")
+    _db_arg(q)
+    json_flag(q)
+    q.set_defaults(func=cmd_devices)
+
+    q = fs.add_parser("show", help="one device: hw, active configs, tuning records, status history, commands")
+    q.add_argument("device", help="device id")
+    _db_arg(q)
+    json_flag(q)
+    q.set_defaults(func=cmd_show)
+
+    q = fs.add_parser("retune", help="ask a device to retune (cmd/req op=retune) and follow its responses")
+    q.add_argument("device", help="device id (as in edgetune/v1/<device>/…)")
+    q.add_argument("--kernel", action="append", metavar="K", help="only this kernel (repeatable)")
+    q.add_argument("--workload", action="append", metavar="W", help="only this workload (repeatable)")
+    q.add_argument("--strategy", help="search strategy on the device, e.g. anneal, random, llm")
+    q.add_argument("--budget", type=int, metavar="N", help="evaluations per workload")
+    q.add_argument("--force", action="store_true", help="retune even when a result for this hw/fw/model exists")
+    q.add_argument("--wait", action="store_true", help="follow the responses until succeeded, failed or rejected")
+    q.add_argument("--timeout", type=float, default=900.0, metavar="S",
+                   help="with --wait: give up after S seconds (default 900; exit 1)")
+    q.add_argument("--ttl", type=float, default=600.0, metavar="S",
+                   help="the device rejects the command if it reaches it more than S seconds from now (default 600)")
+    add_broker_args(q)
+    json_flag(q)
+    q.set_defaults(func=cmd_retune)
+
+    q = fs.add_parser("export-records", help="write the tuning records as JSONL for `edgetune train --records FILE`")
+    q.add_argument("-o", "--output", required=True, metavar="FILE", help="JSONL file to write ('-': stdout)")
+    q.add_argument("--device", help="only this device's records")
+    _db_arg(q)
+    json_flag(q)
+    q.set_defaults(func=cmd_export_records)
+
+
+def _db_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", type=Path, metavar="FILE", help="fleet DB (default <state dir>/fleet.db)")
+
+
+def _open_existing(db: Path | None) -> FleetStore:
+    path = db or default_path()
+    if not path.exists():
+        raise EdgetuneError(f"no fleet DB at {path}; run `edgetune fleet listen --broker …` first (or pass --db)")
+    return FleetStore(path)
+
+
+# ---- listen ----------------------------------------------------------------------------------------------------
+
+def cmd_listen(args: argparse.Namespace) -> int:
+    from fleet.listener import Listener
+
+    if args.session_expiry < 0:
+        raise BadInput(f"--session-expiry {args.session_expiry}: must be >= 0 seconds")
+    listener = Listener(broker_opts(args), args.db, client_id=args.client_id, session_expiry_s=args.session_expiry)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("got %s, stopping", signal.Signals(signum).name)
+        listener.request_stop()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        listener.run()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        counts = listener.store.counts()
+        listener.store.close()
+    emit({"db": str(listener.store.path), "messages": dict(listener.counts), "stored": counts}, args.json,
+         lambda d: err_console.print(f"stopped; {d['messages'].get('messages', 0)} messages this run, "
+                                     f"{counts['devices']} devices and {counts['records']} records in {d['db']}"))
+    return 0
+
+
+# ---- devices ---------------------------------------------------------------------------------------------------
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+_STATE_STYLE = {"online": "green", "offline": "yellow", "lost": "red"}
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    with _open_existing(args.db) as store:
+        devices = store.devices()
+
+    def render(ds: list[dict]) -> None:
+        if not ds:
+            console.print("no devices yet")
+            return
+        rows = [[d["id"], f"[{_STATE_STYLE.get(d['state'], 'dim')}]{d['state']}[/]", _ago(d["last_seen_ago_s"]),
+                 d["cpu_model"] or "?", d["isa"] or "?", d["cores"] if d["cores"] is not None else "?",
+                 d["tuned_workloads"], fmt(d["mean_speedup"], 2) + ("x" if d["mean_speedup"] else ""), d["records"]]
+                for d in ds]
+        table("fleet devices", ["device", "state", "last seen", "cpu", "isa", "cores", "tuned", "speedup (geomean)",
+                                "records"], rows)
+
+    emit(devices, args.json, render)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _open_existing(args.db) as store:
+        summary = next((d for d in store.devices() if d["id"] == args.device), None)
+        if summary is None:
+            raise EdgetuneError(f"no device {args.device!r} in {store.path}; see `edgetune fleet devices`")
+        detail = store.device(args.device) or {}
+        data = {**summary, "info": detail.get("info"), "active": store.active_configs(args.device),
+                "records": [{k: r[k] for k in ("session_id", "kernel", "workload", "strategy", "state",
+                                               "n_measurements", "copies", "received_at")}
+                            for r in store.records(args.device)],
+                "status_history": store.status_history(args.device)[-20:],
+                "commands": store.commands(args.device)[-20:]}
+
+    def render(d: dict) -> None:
+        table(f"device {d['id']}", ["field", "value"], [
+            ["state", f"{d['state']} (last seen {_ago(d['last_seen_ago_s'])})"], ["version", d["version"]],
+            ["cpu", d["cpu_model"]], ["isa", d["isa"]], ["cores", d["cores"]],
+            ["hw_fingerprint", d["hw_fingerprint"]], ["fw_fingerprint", d["fw_fingerprint"]],
+            ["model", d["model_version"]]])
+        table("active configs", ["kernel/workload", "config", "ms", "default ms", "speedup", "strategy"], [
+            [slot, json.dumps(e.get("config"), sort_keys=True), e.get("ms"), e.get("default_ms"),
+             fmt(e["speedup"], 2) + "x" if isinstance(e.get("speedup"), (int, float)) else "-", e.get("strategy")]
+            for slot, e in d["active"].items()])
+        table("tuning records", ["id", "kernel/workload", "strategy", "state", "measurements"], [
+            [r["session_id"], f"{r['kernel']}/{r['workload']}", r["strategy"], r["state"], r["n_measurements"]]
+            for r in d["records"]])
+
+    emit(data, args.json, render)
+    return 0
+
+
+# ---- retune ----------------------------------------------------------------------------------------------------
+
+def cmd_retune(args: argparse.Namespace) -> int:
+    from fleet.commands import check_device_id, describe_progress, new_command, progress_parts, send_command
+
+    check_device_id(args.device)
+    if args.budget is not None and args.budget <= 0:
+        raise BadInput(f"--budget {args.budget}: must be a positive number of evaluations")
+    if args.timeout <= 0:
+        raise BadInput(f"--timeout {args.timeout}: must be > 0 seconds")
+    if args.ttl <= 0:
+        raise BadInput(f"--ttl {args.ttl}: must be > 0 seconds")
+    for flag in ("kernel", "workload"):
+        for v in getattr(args, flag) or []:
+            if not v.strip():
+                raise BadInput(f"--{flag}: empty name")
+    if args.strategy is not None and not args.strategy.strip():
+        raise BadInput("--strategy: empty name")
+    cargs: dict[str, Any] = {}
+    if args.kernel:
+        cargs["kernels"] = args.kernel
+    if args.workload:
+        cargs["workloads"] = args.workload
+    if args.strategy:
+        cargs["strategy"] = args.strategy
+    if args.budget is not None:
+        cargs["budget"] = args.budget
+    if args.force:
+        cargs["force"] = True
+    opts = broker_opts(args)
+    command = new_command("retune", cargs, ttl_s=args.ttl)
+    tty = sys.stderr.isatty() and not args.json
+    short = command["id"][:8]
+
+    if not args.wait:
+        run = send_command(opts, args.device, command, wait=False, timeout_s=args.timeout)
+        emit(run.to_dict(), args.json,
+             lambda d: console.print(f"sent retune {d['id']} to {d['device']} (expires "
+                                     f"{time.strftime('%H:%M:%S', time.localtime(d['expires_at']))})"))
+        return 0
+
+    def on_status(state: str, status: dict) -> None:
+        if state != "online" and not args.json:
+            err_console.print(f"[yellow]device {args.device} is {state}[/]: the command reaches it only if it "
+                              f"reconnects before {time.strftime('%H:%M:%S', time.localtime(command['expires_at']))}")
+
+    if tty:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                      TimeElapsedColumn(), console=err_console, transient=False) as bar:
+            task = bar.add_task(f"{args.device} retune: sent", total=None, count="")
+
+            def on_response(r: dict) -> None:
+                done, total, text = progress_parts(r.get("progress"))
+                desc = f"{args.device} retune: {r['status']}" + (f" {text}" if text else "")
+                if r["status"] in ("failed", "rejected") and r.get("reason"):
+                    desc += f" ({r['reason']})"
+                kw: dict[str, Any] = {"description": desc}
+                if done is not None and total:
+                    kw.update(total=total, completed=done, count=describe_progress(r.get("progress")).split(" ")[0])
+                if r["status"] == "succeeded" and bar.tasks[0].total:
+                    kw["completed"] = bar.tasks[0].total
+                bar.update(task, **kw)
+
+            run = send_command(opts, args.device, command, wait=True, timeout_s=args.timeout,
+                               on_response=on_response, on_status=on_status)
+    else:
+        def on_response(r: dict) -> None:
+            if args.json:
+                return
+            p = describe_progress(r.get("progress"))
+            reason = f" reason: {r['reason']}" if r.get("reason") else ""
+            err_console.print(f"{args.device} retune {short} {r['status']}" + (f" {p}" if p else "") + reason,
+                              highlight=False)
+
+        run = send_command(opts, args.device, command, wait=True, timeout_s=args.timeout,
+                           on_response=on_response, on_status=on_status)
+
+    def render(d: dict) -> None:
+        if d["status"] == "succeeded":
+            console.print(f"[green]retune on {d['device']} succeeded[/]", highlight=False)
+            if d["result"] not in (None, {}, []):
+                console.print_json(json.dumps(d["result"], default=str))
+        elif d["status"] == "timeout":
+            last = d["responses"][-1]["status"] if d["responses"] else "no response"
+            err_console.print(f"[red]no final response from {d['device']} within {args.timeout:g} s[/] "
+                              f"(last: {last}; device state: {d['device_state'] or 'unknown'})", highlight=False)
+        else:
+            err_console.print(f"[red]retune on {d['device']} {d['status']}[/]"
+                              + (f": {d['reason']}" if d["reason"] else ""), highlight=False)
+
+    emit(run.to_dict(), args.json, render)
+    return 0 if run.status == "succeeded" else 1
+
+
+# ---- export-records --------------------------------------------------------------------------------------------
+
+def cmd_export_records(args: argparse.Namespace) -> int:
+    n, devices = 0, set()
+    with _open_existing(args.db) as store:
+        if args.output == "-":
+            for rec in store.iter_export(args.device):
+                sys.stdout.write(json.dumps(rec, default=str) + "\n")
+                n += 1
+                devices.add(rec.get("device_id"))
+            sys.stdout.flush()
+            summary = {"path": "-", "records": n, "devices": len(devices)}
+            if args.json:
+                err_console.print_json(json.dumps(summary))
+            return 0
+        out = Path(args.output)
+        if out.is_dir():
+            raise BadInput(f"-o {out}: is a directory")
+        if not out.parent.exists():
+            raise BadInput(f"-o {out}: directory {out.parent} does not exist")
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                for rec in store.iter_export(args.device):
+                    f.write(json.dumps(rec, default=str) + "\n")
+                    n += 1
+                    devices.add(rec.get("device_id"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out)  # never a half-written training file
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    summary = {"path": str(out), "records": n, "devices": len(devices)}
+    emit(summary, args.json,
+         lambda d: console.print(f"wrote {d['records']} records from {d['devices']} devices to {d['path']}"))
+    return 0

@@ -1,0 +1,303 @@
+"""One MQTT message into the fleet DB.
+
+Topics and payloads follow DESIGN.md "daemon and MQTT (contract)": `edgetune/v1/{device_id}/` + status, info,
+config/active, tuning/record, telemetry, cmd/req, cmd/res/{id}. Validation is lenient about extra or missing
+optional fields and strict only where storage needs it (a status state, a telemetry seq, a record's kernel and
+workload, a response status). Anything else that is wrong with a payload makes it "malformed": logged, noted in
+the `malformed` table and skipped. `ingest` never raises for a payload; it raises only `sqlite3.OperationalError`
+(disk full, DB locked), which the listener treats as "do not acknowledge, retry later".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fleet.store import FleetStore
+
+log = logging.getLogger("fleet.ingest")
+
+PREFIX = "edgetune/v1/"
+SUBSCRIPTION = PREFIX + "+/#"
+MAX_PAYLOAD_BYTES = 32 << 20
+MAX_DEVICE_ID = 256
+STATUS_STATES = ("online", "offline", "lost")
+RESPONSE_STATES = ("accepted", "in_progress", "succeeded", "failed", "rejected")
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+
+
+class Malformed(ValueError):
+    """The payload (or topic) cannot be stored; the message says why."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # status | info | active | record | telemetry | cmd_req | cmd_res | ignored | malformed
+    device: str | None
+    detail: str = ""  # new | duplicate | updated | stale | changed | same | cleared | stored
+    error: str | None = None
+
+
+# ---- lenient field readers -------------------------------------------------------------------------------------
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        f = float(x)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _int(x: Any) -> int | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, float) and math.isfinite(x) and x.is_integer():
+        x = int(x)
+    if isinstance(x, int) and _INT_MIN <= x <= _INT_MAX:
+        return x
+    return None
+
+
+def _text(x: Any, limit: int = 500) -> str | None:
+    if isinstance(x, str):
+        return x[:limit]
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return str(x)
+    return None
+
+
+def _ident(x: Any) -> str | None:
+    """An id: a non-empty string or an integer."""
+    if isinstance(x, str) and x and len(x) <= 256:
+        return x
+    if isinstance(x, int) and not isinstance(x, bool):
+        return str(x)
+    return None
+
+
+def _seen(ts: float | None, retained: bool, now: float) -> float | None:
+    """When the device was last alive, as far as this message tells: its own ts (never in our future), else the
+    receive time of a live message. A retained message without ts proves nothing about liveness."""
+    if ts is not None:
+        return min(ts, now)
+    return None if retained else now
+
+
+def _json_object(payload: bytes, what: str) -> dict:
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise Malformed(f"{what}: payload of {len(payload)} bytes is over the {MAX_PAYLOAD_BYTES}-byte limit")
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Malformed(f"{what}: payload is not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise Malformed(f"{what}: payload is not JSON ({str(e)[:200]})") from None
+    if not isinstance(obj, dict):
+        raise Malformed(f"{what}: payload is a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def parse_topic(topic: str) -> tuple[str, str]:
+    """`edgetune/v1/{device}/{sub}` → (device, sub)."""
+    if not topic.startswith(PREFIX):
+        raise Malformed(f"topic {topic[:200]!r} is outside {PREFIX}")
+    device, sep, sub = topic[len(PREFIX):].partition("/")
+    if not device or not sep or not sub:
+        raise Malformed(f"topic {topic[:200]!r} has no device id or sub-topic")
+    if len(device) > MAX_DEVICE_ID:
+        raise Malformed(f"device id of {len(device)} characters is over {MAX_DEVICE_ID}")
+    return device, sub
+
+
+# ---- per-topic handlers ----------------------------------------------------------------------------------------
+
+def _status(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    if not payload:  # a retained status was cleared
+        return Outcome("status", device, "cleared")
+    obj = _json_object(payload, "status")
+    state = obj.get("state")
+    if state not in STATUS_STATES:
+        raise Malformed(f"status: state {str(state)[:50]!r} is not one of {', '.join(STATUS_STATES)}")
+    ts = _num(obj.get("ts"))
+    # `lost` is the broker speaking (the last will): it proves nothing about when the device was alive
+    seen = (min(ts, now) if ts is not None else None) if state == "lost" else _seen(ts, retained, now)
+    changed = store.put_status(device, state, _int(obj.get("session")), _text(obj.get("version"), 100), ts,
+                               retained, now, seen)
+    if changed:
+        log.info("device %s is %s", device, state)
+    return Outcome("status", device, "changed" if changed else "same")
+
+
+def _descriptor(info: dict) -> dict:
+    for key in ("hw", "hardware", "descriptor", "hw_descriptor"):
+        if isinstance(info.get(key), dict):
+            return info[key]
+    return info if "cpu_model" in info else {}
+
+
+def _info(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    if not payload:
+        return Outcome("info", device, "cleared")
+    obj = _json_object(payload, "info")
+    declared = _ident(obj.get("device_id", obj.get("device")))
+    if declared is not None and declared != device:
+        log.warning("info on %s's topic names device %r; the topic wins", device, declared)
+    hw = _descriptor(obj)
+    model = obj.get("model")
+    summary = {
+        "cpu_model": _text(hw.get("cpu_model")), "arch": _text(hw.get("arch"), 50), "isa": _text(hw.get("isa"), 100),
+        "vector_bits": _int(hw.get("vector_bits")), "cores": _int(hw.get("cores")),
+        "hw_fingerprint": _text(obj.get("hw_fingerprint"), 200) or _text(hw.get("hw_fingerprint"), 200),
+        "fw_fingerprint": _text(obj.get("fw_fingerprint"), 200) or _text(hw.get("fw_fingerprint"), 200),
+        "model_version": _text(model.get("version"), 200) if isinstance(model, dict) else _text(obj.get("model_version")),
+        "descriptor": hw or None,
+    }
+    store.put_info(device, obj, summary, now, _seen(_num(obj.get("ts")), retained, now))
+    return Outcome("info", device, "stored")
+
+
+def _active(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    seen = _seen(None, retained, now)
+    if not payload:
+        store.put_active(device, None, {}, [], now, seen)
+        return Outcome("active", device, "cleared")
+    obj = _json_object(payload, "config/active")
+    kernels = obj.get("kernels") or {}
+    if not isinstance(kernels, dict):
+        raise Malformed(f"config/active: kernels is a {type(kernels).__name__}, expected an object")
+    entries, skipped = [], 0
+    for slot, e in kernels.items():
+        if not isinstance(e, dict):
+            skipped += 1
+            continue
+        kernel, _, workload = str(slot).partition("/")
+        ms, default_ms, speedup = _num(e.get("ms")), _num(e.get("default_ms")), _num(e.get("speedup"))
+        if speedup is None and ms and default_ms:
+            speedup = default_ms / ms
+        entries.append({
+            "slot": str(slot)[:300], "kernel": _text(e.get("kernel"), 100) or kernel,
+            "workload": _text(e.get("workload"), 200) or workload or None,
+            "config": e.get("config"), "ms": ms, "default_ms": default_ms, "speedup": speedup,
+            "evals": _int(e.get("evals")), "tuning_s": _num(e.get("tuning_s")),
+            "strategy": _text(e.get("strategy"), 100), "tuned_at": _num(e.get("tuned_at")), "entry": e,
+        })
+    if skipped:
+        log.warning("config/active of %s: skipped %d entries that are not objects", device, skipped)
+    meta = {"model_version": _text(obj.get("model_version"), 200),
+            "hw_fingerprint": _text(obj.get("hw_fingerprint"), 200),
+            "fw_fingerprint": _text(obj.get("fw_fingerprint"), 200)}
+    store.put_active(device, obj, meta, entries, now, seen)
+    return Outcome("active", device, "stored")
+
+
+def record_uid(obj: dict) -> str:
+    """A tuning record's identity on its device: its id (record_id, else the session id) qualified by started_at,
+    so that a device whose results DB restarted its ids does not collide with itself; else a content hash."""
+    session = obj.get("session") if isinstance(obj.get("session"), dict) else {}
+    rid = _ident(obj.get("record_id")) or _ident(obj.get("id")) or _ident(session.get("id"))
+    started = _num(obj.get("started_at", session.get("started_at")))
+    if rid is None:
+        return "sha256:" + hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{rid}@{started!r}" if started is not None else rid
+
+
+def _record(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    obj = _json_object(payload, "tuning/record")
+    # the session fields sit at the top level; accept them nested under "session" too
+    src = {**obj["session"], **obj} if isinstance(obj.get("session"), dict) else obj
+    kernel, workload = _text(src.get("kernel"), 100), _text(src.get("workload"), 200)
+    if not kernel or not workload:
+        raise Malformed("tuning/record: no kernel or workload")
+    measurements = obj.get("measurements", [])
+    if not isinstance(measurements, list):
+        raise Malformed(f"tuning/record: measurements is a {type(measurements).__name__}, expected a list")
+    sid = _ident(src.get("record_id")) or _ident(src.get("id"))
+    fields = {
+        "session_id": sid, "key": _text(src.get("key"), 200), "kernel": kernel, "workload": workload,
+        "hw_fingerprint": _text(src.get("hw_fingerprint"), 200), "fw_fingerprint": _text(src.get("fw_fingerprint"), 200),
+        "strategy": _text(src.get("strategy"), 100), "state": _text(src.get("state"), 50),
+        "started_at": _num(src.get("started_at")), "n_measurements": len(measurements),
+    }
+    ts = _num(obj.get("ts")) or _num(src.get("finished_at")) or fields["started_at"]
+    uid = record_uid(obj)
+    detail = store.put_record(device, uid, fields, obj, now, _seen(ts, retained, now))
+    if detail == "new":
+        log.info("record %s/%s from %s: %d measurements", kernel, workload, device, len(measurements))
+    else:
+        log.debug("record %s from %s: %s", uid, device, detail)
+    return Outcome("record", device, detail)
+
+
+def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    obj = _json_object(payload, "telemetry")
+    seq = _int(obj.get("seq"))
+    if seq is None:
+        raise Malformed("telemetry: no integer seq")
+    t = {"seq": seq, "boot_id": _text(obj.get("boot_id"), 100) or "", "ts": _num(obj.get("ts")),
+         "state": _text(obj.get("state"), 50)}
+    for k in ("cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss"):
+        t[k] = _num(obj.get(k))
+    new = store.put_telemetry(device, t, obj, now, _seen(t["ts"], retained, now))
+    return Outcome("telemetry", device, "new" if new else "duplicate")
+
+
+def _cmd_req(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    obj = _json_object(payload, "cmd/req")
+    cid = _ident(obj.get("id"))
+    if cid is None:
+        raise Malformed("cmd/req: no id")
+    store.put_command(device, cid, _text(obj.get("op"), 50), obj.get("args"), _num(obj.get("expires_at")), now)
+    return Outcome("cmd_req", device, "stored")
+
+
+def _cmd_res(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    cid = sub[len("cmd/res/"):]
+    if not cid or "/" in cid or len(cid) > 256:
+        raise Malformed(f"cmd/res: bad command id in topic ({cid[:50]!r})")
+    obj = _json_object(payload, "cmd/res")
+    status = obj.get("status")
+    if status not in RESPONSE_STATES:
+        raise Malformed(f"cmd/res: status {str(status)[:50]!r} is not one of {', '.join(RESPONSE_STATES)}")
+    if _ident(obj.get("id")) not in (None, cid):
+        log.warning("cmd/res/%s from %s carries id %r; the topic wins", cid, device, obj.get("id"))
+    store.put_response(device, cid, status, obj.get("progress"), _text(obj.get("reason"), 2000), obj.get("result"),
+                       now)
+    return Outcome("cmd_res", device, status)
+
+
+Handler = Callable[[FleetStore, str, str, bytes, bool, float], Outcome]
+_HANDLERS: dict[str, Handler] = {
+    "status": _status, "info": _info, "config/active": _active, "tuning/record": _record,
+    "telemetry": _telemetry, "cmd/req": _cmd_req,
+}
+
+
+def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False, now: float | None = None) -> Outcome:
+    """Store one message. Never raises for a bad topic or payload; raises sqlite3.OperationalError only."""
+    now = time.time() if now is None else now
+    payload = bytes(payload or b"")
+    device = None
+    try:
+        device, sub = parse_topic(topic)
+        handler = _HANDLERS.get(sub) or (_cmd_res if sub.startswith("cmd/res/") else None)
+        if handler is None:
+            log.debug("ignoring %s: not a topic this fleet receiver knows", topic)
+            return Outcome("ignored", device, sub)
+        return handler(store, device, sub, payload, retained, now)
+    except sqlite3.OperationalError:
+        raise  # the DB, not the payload: the caller retries
+    except Exception as e:  # Malformed, or whatever else an odd payload provoked: skip it, keep running
+        err = str(e) if isinstance(e, Malformed) else f"{type(e).__name__}: {str(e)[:300]}"
+        log.warning("skipped a malformed message on %s: %s", topic[:300], err)
+        store.put_malformed(device, topic[:1000], err, payload, now)
+        return Outcome("malformed", device, error=err)

@@ -1,0 +1,443 @@
+"""The fleet DB: SQLite in WAL mode, default `<state_dir>/fleet.db`.
+
+What devices publish (DESIGN.md "daemon and MQTT") lands here, deduplicated so that a QoS 1 redelivery, a
+retained message seen again after a reconnect, or an outbox re-send never counts twice:
+
+- tuning records by (device, record uid): the device's session id plus its `started_at`, or a content hash;
+- telemetry by (device, boot_id, seq);
+- status history by (device, state, session, ts).
+
+Every write is one transaction that commits before the listener acknowledges the message to the broker.
+The schema is versioned with PRAGMA user_version and tagged with PRAGMA application_id.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from edgetune import paths
+from edgetune.errors import EdgetuneError
+
+APP_ID = 0x45544631  # "ETF1": tells the fleet DB from a results DB or a foreign SQLite file
+MALFORMED_KEEP = 1000  # rows kept in the malformed-message log
+TERMINAL_RECORD_STATES = frozenset({"done", "failed", "interrupted", "cancelled", "aborted"})
+TERMINAL_COMMAND_STATES = frozenset({"succeeded", "failed", "rejected"})
+
+MIGRATIONS: list[str] = [
+    # v1
+    """
+    CREATE TABLE devices (
+        id TEXT PRIMARY KEY,
+        state TEXT NOT NULL DEFAULT 'unknown',   -- online | offline | lost | unknown (no status heard yet)
+        session INTEGER,                         -- the daemon's session number from its last status
+        version TEXT,                            -- the edgetune version the device runs
+        state_ts REAL,                           -- the device's ts on that status
+        state_changed_at REAL,                   -- when the fleet saw the state change
+        first_seen REAL NOT NULL,                -- when the fleet first heard of the device
+        last_seen REAL,                          -- newest device timestamp (payload ts, else receive time of a live message)
+        last_received REAL NOT NULL,             -- receive time of the newest message about it, retained ones included
+        info_json TEXT, info_at REAL,            -- the retained info document, whole
+        cpu_model TEXT, arch TEXT, isa TEXT, vector_bits INTEGER, cores INTEGER,   -- hw summary from info
+        hw_fingerprint TEXT, fw_fingerprint TEXT, model_version TEXT,
+        active_json TEXT, active_at REAL         -- the retained config/active document, whole
+    );
+    CREATE TABLE status_history (
+        id INTEGER PRIMARY KEY,
+        device_id TEXT NOT NULL, state TEXT NOT NULL, session INTEGER, version TEXT, ts REAL,
+        retained INTEGER NOT NULL, received_at REAL NOT NULL
+    );
+    CREATE UNIQUE INDEX status_history_dedup ON status_history(device_id, state, ifnull(session, -1), ifnull(ts, -1));
+    CREATE TABLE hw_descriptors (                -- every hardware descriptor seen, so exports can describe old records
+        hw_fingerprint TEXT PRIMARY KEY, descriptor_json TEXT NOT NULL, device_id TEXT NOT NULL, first_seen REAL NOT NULL
+    );
+    CREATE TABLE active_configs (                -- one row per "<kernel>/<workload>" of a device's config/active
+        device_id TEXT NOT NULL, slot TEXT NOT NULL,
+        kernel TEXT, workload TEXT, config_json TEXT, ms REAL, default_ms REAL, speedup REAL, evals INTEGER,
+        tuning_s REAL, strategy TEXT, tuned_at REAL,
+        entry_json TEXT NOT NULL, received_at REAL NOT NULL,
+        PRIMARY KEY (device_id, slot)
+    );
+    CREATE TABLE records (                       -- tuning runs: the fleet's training data
+        id INTEGER PRIMARY KEY,
+        device_id TEXT NOT NULL,
+        record_uid TEXT NOT NULL,                -- "<session id>@<started_at>", "<session id>", or "sha256:<content>"
+        session_id TEXT, key TEXT, kernel TEXT, workload TEXT, hw_fingerprint TEXT, fw_fingerprint TEXT,
+        strategy TEXT, state TEXT, started_at REAL, n_measurements INTEGER NOT NULL,
+        payload_json TEXT NOT NULL,              -- the record as received (the most complete copy)
+        received_at REAL NOT NULL, updated_at REAL NOT NULL,
+        copies INTEGER NOT NULL DEFAULT 1,       -- how many times it arrived
+        UNIQUE (device_id, record_uid)
+    );
+    CREATE TABLE telemetry (
+        id INTEGER PRIMARY KEY,
+        device_id TEXT NOT NULL, boot_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        ts REAL, cpu_percent REAL, load1 REAL, temp_c REAL, freq_mhz REAL, mem_used REAL, rss REAL, state TEXT,
+        payload_json TEXT NOT NULL, received_at REAL NOT NULL,
+        UNIQUE (device_id, boot_id, seq)
+    );
+    CREATE TABLE commands (                      -- cmd/req seen on the broker, with the newest response
+        device_id TEXT NOT NULL, id TEXT NOT NULL,
+        op TEXT, args_json TEXT, expires_at REAL, requested_at REAL,
+        status TEXT, progress_json TEXT, reason TEXT, result_json TEXT, updated_at REAL NOT NULL,
+        PRIMARY KEY (device_id, id)
+    );
+    CREATE TABLE command_responses (             -- every cmd/res/{id}, in arrival order
+        id INTEGER PRIMARY KEY,
+        device_id TEXT NOT NULL, command_id TEXT NOT NULL, status TEXT NOT NULL,
+        progress_json TEXT, reason TEXT, result_json TEXT, received_at REAL NOT NULL
+    );
+    CREATE INDEX command_responses_cmd ON command_responses(device_id, command_id);
+    CREATE TABLE malformed (                     -- payloads skipped, newest MALFORMED_KEEP kept
+        id INTEGER PRIMARY KEY,
+        device_id TEXT, topic TEXT NOT NULL, error TEXT NOT NULL, payload_head BLOB, payload_bytes INTEGER NOT NULL,
+        received_at REAL NOT NULL
+    );
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class FleetDBError(EdgetuneError):
+    pass
+
+
+def default_path() -> Path:
+    return paths.state_dir() / "fleet.db"
+
+
+def _dumps(x: Any) -> str | None:
+    return None if x is None else json.dumps(x, sort_keys=True, default=str)
+
+
+def _loads(s: str | None) -> Any:
+    return None if s is None else json.loads(s)
+
+
+def geomean(xs: list[float]) -> float | None:
+    """The mean of speedups: ratios average geometrically (2x and 0.5x average to 1x)."""
+    xs = [x for x in xs if x is not None and x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+class FleetStore:
+    """One connection to the fleet DB. Used from one thread at a time (the listener's loop, or a CLI verb)."""
+
+    def __init__(self, path: Path | str | None = None, *, check_same_thread: bool = True):
+        self.path = Path(path) if path else default_path()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+                                        check_same_thread=check_same_thread)
+            self.conn.row_factory = sqlite3.Row
+            app_id = self.conn.execute("PRAGMA application_id").fetchone()[0]
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+            if app_id != APP_ID and (tables or version):
+                raise FleetDBError(f"{self.path} is not an edgetune fleet DB (another SQLite file); "
+                                   "pass --db with another path")
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            # FULL: a commit is on disk before the listener acks the message to the broker
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self._migrate(version)
+        except sqlite3.DatabaseError as e:
+            raise FleetDBError(f"fleet DB {self.path}: {e}") from e
+
+    def _migrate(self, version: int) -> None:
+        if version > SCHEMA_VERSION:
+            raise FleetDBError(f"{self.path} has schema v{version}, newer than this edgetune (v{SCHEMA_VERSION}); "
+                               "upgrade edgetune")
+        for v in range(version, SCHEMA_VERSION):
+            with self.tx() as c:
+                for stmt in filter(str.strip, MIGRATIONS[v].split(";")):
+                    c.execute(stmt)
+                c.execute(f"PRAGMA user_version={v + 1}")
+                c.execute(f"PRAGMA application_id={APP_ID}")
+
+    class _Tx:
+        def __init__(self, conn: sqlite3.Connection):
+            self.conn = conn
+
+        def __enter__(self) -> sqlite3.Connection:
+            self.conn.execute("BEGIN IMMEDIATE")
+            return self.conn
+
+        def __exit__(self, et: Any, e: Any, tb: Any) -> None:
+            if et is None:
+                try:
+                    self.conn.execute("COMMIT")
+                    return
+                except BaseException:
+                    self.conn.execute("ROLLBACK")
+                    raise
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+
+    def tx(self) -> "FleetStore._Tx":
+        return FleetStore._Tx(self.conn)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "FleetStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def schema_version(self) -> int:
+        return self.conn.execute("PRAGMA user_version").fetchone()[0]
+
+    # ---- writes (each one transaction) ---------------------------------------------------------------------
+
+    @staticmethod
+    def _touch(c: sqlite3.Connection, device: str, now: float, seen: float | None) -> None:
+        """Create the device row if new; move last_seen forward (never back) and last_received to now."""
+        c.execute(
+            "INSERT INTO devices (id, first_seen, last_seen, last_received) VALUES (?,?,?,?) "
+            "ON CONFLICT(id) DO UPDATE SET last_received=excluded.last_received, last_seen=CASE "
+            " WHEN excluded.last_seen IS NULL THEN devices.last_seen"
+            " WHEN devices.last_seen IS NULL OR excluded.last_seen > devices.last_seen THEN excluded.last_seen"
+            " ELSE devices.last_seen END",
+            (device, now, seen, now))
+
+    def put_status(self, device: str, state: str, session: int | None, version: str | None, ts: float | None,
+                   retained: bool, now: float, seen: float | None) -> bool:
+        """Record a status message; the newest one received sets the device state. Returns whether it changed."""
+        with self.tx() as c:
+            self._touch(c, device, now, seen)
+            c.execute("INSERT OR IGNORE INTO status_history (device_id, state, session, version, ts, retained,"
+                      " received_at) VALUES (?,?,?,?,?,?,?)", (device, state, session, version, ts, int(retained), now))
+            old = c.execute("SELECT state FROM devices WHERE id=?", (device,)).fetchone()["state"]
+            c.execute("UPDATE devices SET state=?, session=?, version=coalesce(?, version), state_ts=?,"
+                      " state_changed_at=CASE WHEN state=? THEN state_changed_at ELSE ? END WHERE id=?",
+                      (state, session, version, ts, state, now, device))
+        return old != state
+
+    def put_info(self, device: str, info: dict, hw: dict, now: float, seen: float | None) -> None:
+        with self.tx() as c:
+            self._touch(c, device, now, seen)
+            c.execute("UPDATE devices SET info_json=?, info_at=?, cpu_model=?, arch=?, isa=?, vector_bits=?, cores=?,"
+                      " hw_fingerprint=coalesce(?, hw_fingerprint), fw_fingerprint=coalesce(?, fw_fingerprint),"
+                      " model_version=coalesce(?, model_version) WHERE id=?",
+                      (_dumps(info), now, hw.get("cpu_model"), hw.get("arch"), hw.get("isa"), hw.get("vector_bits"),
+                       hw.get("cores"), hw.get("hw_fingerprint"), hw.get("fw_fingerprint"), hw.get("model_version"),
+                       device))
+            if hw.get("hw_fingerprint") and hw.get("descriptor"):
+                c.execute("INSERT OR IGNORE INTO hw_descriptors (hw_fingerprint, descriptor_json, device_id, first_seen)"
+                          " VALUES (?,?,?,?)", (hw["hw_fingerprint"], _dumps(hw["descriptor"]), device, now))
+
+    def put_active(self, device: str, doc: dict | None, meta: dict, entries: list[dict], now: float,
+                   seen: float | None) -> None:
+        """Replace the device's active configs with this document's (None: the retained document was cleared).
+        `meta` holds the document's validated model_version, hw_fingerprint and fw_fingerprint."""
+        with self.tx() as c:
+            self._touch(c, device, now, seen)
+            c.execute("DELETE FROM active_configs WHERE device_id=?", (device,))
+            for e in entries:
+                c.execute("INSERT OR REPLACE INTO active_configs (device_id, slot, kernel, workload, config_json, ms,"
+                          " default_ms, speedup, evals, tuning_s, strategy, tuned_at, entry_json, received_at)"
+                          " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                          (device, e["slot"], e["kernel"], e["workload"], _dumps(e["config"]), e["ms"],
+                           e["default_ms"], e["speedup"], e["evals"], e["tuning_s"], e["strategy"], e["tuned_at"],
+                           _dumps(e["entry"]), now))
+            c.execute("UPDATE devices SET active_json=?, active_at=?, model_version=coalesce(?, model_version),"
+                      " hw_fingerprint=coalesce(hw_fingerprint, ?), fw_fingerprint=coalesce(fw_fingerprint, ?)"
+                      " WHERE id=?", (_dumps(doc), now, meta.get("model_version"), meta.get("hw_fingerprint"),
+                                      meta.get("fw_fingerprint"), device))
+
+    def put_record(self, device: str, uid: str, fields: dict, payload: dict, now: float, seen: float | None) -> str:
+        """Store one tuning record. Returns "new", "duplicate" (same content again), "updated" (a more complete
+        copy of a known record replaced it) or "stale" (a less complete copy; the stored one is kept)."""
+        text = _dumps(payload)
+        n = fields["n_measurements"]
+        terminal = fields.get("state") in TERMINAL_RECORD_STATES
+        with self.tx() as c:
+            self._touch(c, device, now, seen)
+            old = c.execute("SELECT id, payload_json, n_measurements, state FROM records WHERE device_id=? AND"
+                            " record_uid=?", (device, uid)).fetchone()
+            if old is None:
+                c.execute("INSERT INTO records (device_id, record_uid, session_id, key, kernel, workload,"
+                          " hw_fingerprint, fw_fingerprint, strategy, state, started_at, n_measurements, payload_json,"
+                          " received_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                          (device, uid, fields.get("session_id"), fields.get("key"), fields.get("kernel"),
+                           fields.get("workload"), fields.get("hw_fingerprint"), fields.get("fw_fingerprint"),
+                           fields.get("strategy"), fields.get("state"), fields.get("started_at"), n, text, now, now))
+                return "new"
+            c.execute("UPDATE records SET copies=copies+1 WHERE id=?", (old["id"],))
+            if old["payload_json"] == text:
+                return "duplicate"
+            if (terminal, n) < (old["state"] in TERMINAL_RECORD_STATES, old["n_measurements"]):
+                return "stale"
+            c.execute("UPDATE records SET session_id=?, key=?, kernel=?, workload=?, hw_fingerprint=?, fw_fingerprint=?,"
+                      " strategy=?, state=?, started_at=?, n_measurements=?, payload_json=?, updated_at=? WHERE id=?",
+                      (fields.get("session_id"), fields.get("key"), fields.get("kernel"), fields.get("workload"),
+                       fields.get("hw_fingerprint"), fields.get("fw_fingerprint"), fields.get("strategy"),
+                       fields.get("state"), fields.get("started_at"), n, text, now, old["id"]))
+            return "updated"
+
+    def put_telemetry(self, device: str, t: dict, payload: dict, now: float, seen: float | None) -> bool:
+        """Store one telemetry sample; False when (device, boot_id, seq) was already stored."""
+        with self.tx() as c:
+            self._touch(c, device, now, seen)
+            cur = c.execute("INSERT OR IGNORE INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c,"
+                            " freq_mhz, mem_used, rss, state, payload_json, received_at)"
+                            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                            (device, t["boot_id"], t["seq"], t["ts"], t["cpu_percent"], t["load1"], t["temp_c"],
+                             t["freq_mhz"], t["mem_used"], t["rss"], t["state"], _dumps(payload), now))
+            return cur.rowcount == 1
+
+    def put_command(self, device: str, cmd_id: str, op: str | None, args: Any, expires_at: float | None,
+                    now: float) -> None:
+        with self.tx() as c:
+            self._touch(c, device, now, None)
+            c.execute("INSERT INTO commands (device_id, id, op, args_json, expires_at, requested_at, updated_at)"
+                      " VALUES (?,?,?,?,?,?,?) ON CONFLICT(device_id, id) DO UPDATE SET op=excluded.op,"
+                      " args_json=excluded.args_json, expires_at=excluded.expires_at,"
+                      " requested_at=coalesce(commands.requested_at, excluded.requested_at)",
+                      (device, cmd_id, op, _dumps(args), expires_at, now, now))
+
+    def put_response(self, device: str, cmd_id: str, status: str, progress: Any, reason: str | None, result: Any,
+                     now: float) -> None:
+        """Log a response; the command's status follows it, except that a final status is never undone."""
+        with self.tx() as c:
+            self._touch(c, device, now, now)
+            c.execute("INSERT INTO command_responses (device_id, command_id, status, progress_json, reason,"
+                      " result_json, received_at) VALUES (?,?,?,?,?,?,?)",
+                      (device, cmd_id, status, _dumps(progress), reason, _dumps(result), now))
+            row = c.execute("SELECT status FROM commands WHERE device_id=? AND id=?", (device, cmd_id)).fetchone()
+            if row is None:
+                c.execute("INSERT INTO commands (device_id, id, status, progress_json, reason, result_json, updated_at)"
+                          " VALUES (?,?,?,?,?,?,?)",
+                          (device, cmd_id, status, _dumps(progress), reason, _dumps(result), now))
+            elif not (row["status"] in TERMINAL_COMMAND_STATES and status not in TERMINAL_COMMAND_STATES):
+                c.execute("UPDATE commands SET status=?, progress_json=?, reason=?, result_json=?, updated_at=?"
+                          " WHERE device_id=? AND id=?",
+                          (status, _dumps(progress), reason, _dumps(result), now, device, cmd_id))
+
+    def put_malformed(self, device: str | None, topic: str, error: str, payload: bytes, now: float) -> None:
+        with self.tx() as c:
+            c.execute("INSERT INTO malformed (device_id, topic, error, payload_head, payload_bytes, received_at)"
+                      " VALUES (?,?,?,?,?,?)", (device, topic, error[:500], bytes(payload[:256]), len(payload), now))
+            c.execute("DELETE FROM malformed WHERE id <= (SELECT max(id) FROM malformed) - ?", (MALFORMED_KEEP,))
+
+    # ---- reads ---------------------------------------------------------------------------------------------
+
+    def devices(self, now: float | None = None) -> list[dict]:
+        """One summary per device: state, last seen, hw summary, tuned workloads and their mean speedup."""
+        now = time.time() if now is None else now
+        speedups: dict[str, list[float]] = {}
+        tuned: dict[str, int] = {}
+        for r in self.conn.execute("SELECT device_id, speedup FROM active_configs"):
+            tuned[r["device_id"]] = tuned.get(r["device_id"], 0) + 1
+            if r["speedup"] is not None:
+                speedups.setdefault(r["device_id"], []).append(r["speedup"])
+        records = {r[0]: r[1] for r in self.conn.execute("SELECT device_id, count(*) FROM records GROUP BY device_id")}
+        telemetry = {r["device_id"]: r for r in self.conn.execute(
+            "SELECT t.* FROM telemetry t JOIN (SELECT device_id, max(id) AS m FROM telemetry GROUP BY device_id) x"
+            " ON t.id = x.m")}
+        out = []
+        for d in self.conn.execute("SELECT * FROM devices ORDER BY id"):
+            t = telemetry.get(d["id"])
+            out.append({
+                "id": d["id"], "state": d["state"], "online": d["state"] == "online",
+                "session": d["session"], "version": d["version"],
+                "last_seen": d["last_seen"],
+                "last_seen_ago_s": None if d["last_seen"] is None else round(max(0.0, now - d["last_seen"]), 1),
+                "state_changed_at": d["state_changed_at"], "first_seen": d["first_seen"],
+                "cpu_model": d["cpu_model"], "arch": d["arch"], "isa": d["isa"], "vector_bits": d["vector_bits"],
+                "cores": d["cores"],
+                "hw_fingerprint": d["hw_fingerprint"], "fw_fingerprint": d["fw_fingerprint"],
+                "model_version": d["model_version"],
+                "tuned_workloads": tuned.get(d["id"], 0),
+                "mean_speedup": geomean(speedups.get(d["id"], [])),
+                "records": records.get(d["id"], 0),
+                "telemetry": None if t is None else {k: t[k] for k in (
+                    "ts", "boot_id", "seq", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")},
+            })
+        return out
+
+    def device(self, device: str) -> dict | None:
+        r = self.conn.execute("SELECT * FROM devices WHERE id=?", (device,)).fetchone()
+        if r is None:
+            return None
+        d = dict(r)
+        d["info"] = _loads(d.pop("info_json"))
+        d["active"] = _loads(d.pop("active_json"))
+        return d
+
+    def active_configs(self, device: str) -> dict[str, dict]:
+        rows = self.conn.execute("SELECT slot, entry_json FROM active_configs WHERE device_id=? ORDER BY slot",
+                                 (device,))
+        return {r["slot"]: json.loads(r["entry_json"]) for r in rows}
+
+    def status_history(self, device: str) -> list[dict]:
+        return [dict(r) for r in self.conn.execute(
+            "SELECT state, session, version, ts, retained, received_at FROM status_history WHERE device_id=? ORDER BY id",
+            (device,))]
+
+    def records(self, device: str | None = None) -> list[dict]:
+        """Record rows (metadata + the stored payload as `record`), in arrival order."""
+        q = "SELECT * FROM records" + (" WHERE device_id=?" if device else "") + " ORDER BY id"
+        out = []
+        for r in self.conn.execute(q, (device,) if device else ()):
+            d = dict(r)
+            d["record"] = json.loads(d.pop("payload_json"))
+            out.append(d)
+        return out
+
+    def iter_export(self, device: str | None = None) -> Iterator[dict]:
+        """Training data: each stored record as received, plus `device_id` and, when the record does not carry
+        one, the `hw` descriptor its device reported under the record's hw_fingerprint."""
+        descriptors = {r["hw_fingerprint"]: r["descriptor_json"] for r in
+                       self.conn.execute("SELECT hw_fingerprint, descriptor_json FROM hw_descriptors")}
+        q = "SELECT device_id, hw_fingerprint, payload_json FROM records" + (" WHERE device_id=?" if device else "")
+        for r in self.conn.execute(q + " ORDER BY id", (device,) if device else ()):
+            rec = json.loads(r["payload_json"])
+            rec.setdefault("device_id", r["device_id"])
+            if "hw" not in rec and r["hw_fingerprint"] in descriptors:
+                rec["hw"] = json.loads(descriptors[r["hw_fingerprint"]])
+            yield rec
+
+    def telemetry(self, device: str) -> list[dict]:
+        return [dict(r) for r in self.conn.execute(
+            "SELECT boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss, state, received_at"
+            " FROM telemetry WHERE device_id=? ORDER BY id", (device,))]
+
+    def command(self, device: str, cmd_id: str) -> dict | None:
+        r = self.conn.execute("SELECT * FROM commands WHERE device_id=? AND id=?", (device, cmd_id)).fetchone()
+        if r is None:
+            return None
+        d = dict(r)
+        for k in ("args", "progress", "result"):
+            d[k] = _loads(d.pop(f"{k}_json"))
+        d["responses"] = [
+            {"status": x["status"], "progress": _loads(x["progress_json"]), "reason": x["reason"],
+             "result": _loads(x["result_json"]), "received_at": x["received_at"]}
+            for x in self.conn.execute("SELECT * FROM command_responses WHERE device_id=? AND command_id=? ORDER BY id",
+                                       (device, cmd_id))]
+        return d
+
+    def commands(self, device: str) -> list[dict]:
+        """The device's commands in the order first seen, each with its newest status."""
+        out = []
+        for r in self.conn.execute("SELECT * FROM commands WHERE device_id=? ORDER BY rowid", (device,)):
+            d = dict(r)
+            for k in ("args", "progress", "result"):
+                d[k] = _loads(d.pop(f"{k}_json"))
+            out.append(d)
+        return out
+
+    def malformed(self) -> list[dict]:
+        return [dict(r) for r in self.conn.execute(
+            "SELECT device_id, topic, error, payload_bytes, received_at FROM malformed ORDER BY id")]
+
+    def counts(self) -> dict[str, int]:
+        return {t: self.conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in (
+            "devices", "status_history", "active_configs", "records", "telemetry", "commands", "command_responses",
+            "malformed")}

@@ -1,0 +1,161 @@
+"""conv2d_3x3 and dwconv_3x3: odd shapes, both strides, borders, remainders, and shape validation."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from edgetune.errors import BadInput
+from kernels.build import build
+from kernels.registry import get_spec
+
+FAST = {"min_time_s": 0.01, "max_reps": 5}
+
+CONV_SHAPES = [
+    {"H": 7, "W": 7, "Cin": 13, "Cout": 19, "stride": 1},
+    {"H": 7, "W": 7, "Cin": 13, "Cout": 19, "stride": 2},
+    {"H": 1, "W": 1, "Cin": 5, "Cout": 3, "stride": 1},
+    {"H": 1, "W": 1, "Cin": 5, "Cout": 3, "stride": 2},
+    {"H": 2, "W": 3, "Cin": 1, "Cout": 64, "stride": 2},
+    {"H": 9, "W": 23, "Cin": 3, "Cout": 37, "stride": 1},
+    {"H": 10, "W": 20, "Cin": 17, "Cout": 100, "stride": 2},
+]
+DW_SHAPES = [
+    {"H": 7, "W": 7, "C": 13, "stride": 1},
+    {"H": 7, "W": 7, "C": 13, "stride": 2},
+    {"H": 1, "W": 1, "C": 37, "stride": 1},
+    {"H": 1, "W": 1, "C": 37, "stride": 2},
+    {"H": 2, "W": 3, "C": 64, "stride": 2},
+    {"H": 9, "W": 23, "C": 52, "stride": 1},
+    {"H": 10, "W": 20, "C": 100, "stride": 2},
+]
+
+
+def _naive_conv(x: np.ndarray, w: np.ndarray, stride: int, depthwise: bool) -> np.ndarray:
+    """Direct loops over every output pixel and tap: an independent check of the vectorized references."""
+    H, W = x.shape[:2]
+    Ho, Wo = (H - 1) // stride + 1, (W - 1) // stride + 1
+    cout = x.shape[2] if depthwise else w.shape[3]
+    y = np.zeros((Ho, Wo, cout))
+    for oy in range(Ho):
+        for ox in range(Wo):
+            for ky in range(3):
+                for kx in range(3):
+                    iy, ix = oy * stride - 1 + ky, ox * stride - 1 + kx
+                    if 0 <= iy < H and 0 <= ix < W:
+                        px = x[iy, ix].astype(np.float64)
+                        y[oy, ox] += px * w[ky, kx] if depthwise else px @ w[ky, kx].astype(np.float64)
+    return y
+
+
+def _check(spec, shape, cfgs, hw, runner):
+    for cfg in cfgs:
+        m = runner.measure(spec, shape, build(spec, cfg, hw).path, **FAST)
+        assert m.ok, f"{spec.name} {shape} {cfg}: {m.reason}"
+
+
+def _widest_vec(hw) -> int:
+    return max(v for v in (4, 8, 16) if v * 32 <= hw.vector_bits)
+
+
+@pytest.mark.parametrize("name,shapes", [("conv2d_3x3", CONV_SHAPES), ("dwconv_3x3", DW_SHAPES)])
+def test_reference_matches_naive_loops(name, shapes):
+    spec = get_spec(name)
+    for shape in shapes:
+        x = spec.make_inputs(shape, np.random.default_rng(3))
+        want = _naive_conv(x[0], x[1], shape["stride"], depthwise=name == "dwconv_3x3")
+        got = spec.reference(shape, x)[0]
+        assert got.shape == tuple(spec.output_shapes(shape)[0]) == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", CONV_SHAPES, ids=lambda s: "x".join(map(str, s.values())))
+def test_conv2d_odd_shapes(shape, hw, runner):
+    spec = get_spec("conv2d_3x3")
+    space = spec.space(shape, hw)
+    _check(spec, shape, [space.valid_default()] + space.sample(3, random.Random(11)), hw, runner)
+
+
+@pytest.mark.parametrize("shape", DW_SHAPES, ids=lambda s: "x".join(map(str, s.values())))
+def test_dwconv_odd_shapes(shape, hw, runner):
+    spec = get_spec("dwconv_3x3")
+    space = spec.space(shape, hw)
+    _check(spec, shape, [space.valid_default()] + space.sample(3, random.Random(11)), hw, runner)
+
+
+@pytest.mark.parametrize("stride", (1, 2))
+def test_both_strides_every_loop_order(stride, hw, runner):
+    """Each loop-order knob value, with big tiles on a shape that has borders and remainders everywhere."""
+    v = _widest_vec(hw)
+    conv = get_spec("conv2d_3x3")
+    shape = {"H": 11, "W": 13, "Cin": 7, "Cout": 2 * v + 3, "stride": stride}
+    for order in ("ky_kx_ci", "ci_ky_kx"):
+        for outer in ("rows", "panels"):
+            cfg = dict(conv.space(shape, hw).valid_default(), order=order, outer=outer, vec=v, cv=2, wt=3,
+                       prefetch=2)
+            _check(conv, shape, [cfg], hw, runner)
+    dw = get_spec("dwconv_3x3")
+    shape = {"H": 11, "W": 13, "C": 3 * v + 5, "stride": stride}
+    for order in ("c_outer", "px_outer"):
+        for rt in (1, 2, 4):
+            cfg = dict(dw.space(shape, hw).valid_default(), order=order, rt=rt, vec=v, cv=2, wt=2, prefetch=2)
+            _check(dw, shape, [cfg], hw, runner)
+
+
+def test_configs_tuned_for_other_shapes_stay_correct(hw, runner):
+    """A config that breaks a shape constraint (tile bigger than the shape) is slow, never wrong: a tuned config
+    may be reused on a neighbouring shape."""
+    v = _widest_vec(hw)
+    conv = get_spec("conv2d_3x3")
+    big = dict(conv.default, vec=v, cv=4, wt=8, order="ci_ky_kx")
+    for shape in ({"H": 1, "W": 1, "Cin": 2, "Cout": 1, "stride": 1},
+                  {"H": 3, "W": 2, "Cin": 1, "Cout": 5, "stride": 2}):
+        _check(conv, shape, [big], hw, runner)
+    dw = get_spec("dwconv_3x3")
+    big = dict(dw.default, vec=v, cv=2, wt=2, rt=4, order="px_outer")
+    for shape in ({"H": 1, "W": 1, "C": 3, "stride": 1}, {"H": 3, "W": 2, "C": v + 1, "stride": 2},
+                  {"H": 5, "W": 9, "C": 3 * v, "stride": 1}):
+        _check(dw, shape, [big], hw, runner)
+
+
+@pytest.mark.parametrize("name", ("conv2d_3x3", "dwconv_3x3"))
+def test_validate_shape(name):
+    spec = get_spec(name)
+    good = dict(spec.workloads[0].shape)
+    assert spec.validate_shape(good) == good
+    assert spec.validate_shape({**good, "stride": "2"})["stride"] == 2
+    missing_w = {k: v for k, v in good.items() if k != "W"}
+    for bad in ({**good, "stride": 3}, {**good, "stride": 0}, {**good, "H": 0}, missing_w):
+        with pytest.raises(BadInput):
+            spec.validate_shape(bad)
+
+
+@pytest.mark.parametrize("name", ("conv2d_3x3", "dwconv_3x3"))
+def test_kernel_refuses_unsupported_stride(name, hw, runner):
+    """Even past validate_shape, the C kernel returns an error for a stride it does not implement."""
+    spec = get_spec(name)
+    shape = {**spec.workloads[0].shape, "H": 8, "W": 8, "stride": 3}
+    m = runner.measure(spec, shape, build(spec, spec.space(shape, hw).valid_default(), hw).path, **FAST)
+    assert not m.ok and "error code 2" in m.reason
+
+
+@pytest.mark.parametrize("name", ("conv2d_3x3", "dwconv_3x3"))
+def test_output_extent(name):
+    spec = get_spec(name)
+    base = dict(spec.workloads[0].shape)
+    for h, s, ho in ((7, 2, 4), (8, 2, 4), (1, 2, 1), (2, 2, 1), (7, 1, 7)):
+        assert spec.output_shapes({**base, "H": h, "W": h + 1, "stride": s})[0][:2] == (ho, (h + 1 - 1) // s + 1)
+
+
+@pytest.mark.parametrize("name,shape", [("conv2d_3x3", CONV_SHAPES[1]), ("conv2d_3x3", CONV_SHAPES[3]),
+                                        ("dwconv_3x3", DW_SHAPES[1]), ("dwconv_3x3", DW_SHAPES[3])])
+def test_onnx_twin_on_odd_shapes(name, shape):
+    pytest.importorskip("onnxruntime")
+    from kernels.ort_twin import run_ort
+
+    spec = get_spec(name)
+    x = spec.make_inputs(shape, np.random.default_rng(0))
+    got = run_ort(spec, shape, x, min_time_s=0.0, max_reps=5).outputs[0]
+    np.testing.assert_allclose(got, spec.reference(shape, x)[0], rtol=spec.rtol * 10, atol=spec.atol * 10)
