@@ -295,10 +295,7 @@ def test_listener_with_broker_auth(tmp_path):
 
     pw = tmp_path / "passwd"
     subprocess.run(["mosquitto_passwd", "-c", "-b", str(pw), "fleet", "s3cret"], check=True, capture_output=True)
-    # as root, mosquitto drops to its own user, which cannot read pytest's 0700 tmp dirs
-    stay = ["user root"] if os.geteuid() == 0 else []
-    broker = Mosquitto(tmp_path / "authbroker",
-                       extra_conf=[f"password_file {pw}", "allow_anonymous false", *stay]).start()
+    broker = Mosquitto(tmp_path / "authbroker", extra_conf=[f"password_file {pw}", "allow_anonymous false"]).start()
     try:
         lst = Listener(opts(broker, username="fleet", password="s3cret"), tmp_path / "a.db", client_id="fleet-auth",
                        min_backoff_s=0.05).start()
