@@ -87,7 +87,7 @@ class KernelSpec:
             except (TypeError, ValueError):
                 iv = 0
             if iv <= 0 or str(v).strip() != str(iv) and v != iv:
-                raise BadInput(f"{self.name}: dimension {d.name}={v!r} must be a positive integer")
+                raise BadInput(f"{self.name}: dimension {d.name}={v} must be a positive integer")
             if d.choices and iv not in d.choices:
                 raise BadInput(f"{self.name}: dimension {d.name}={iv} not allowed; allowed: {', '.join(map(str, d.choices))}")
             out[d.name] = iv

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 from edgetune.errors import BadInput
 from kernels.space import Shape
 from kernels.spec import KernelSpec, Workload
 
 DEFAULT_MAX_INPUT_MB = 512.0  # an absurd shape is refused before anything is allocated
+
+
+def max_input_mb() -> float:
+    """The buffer cap for custom shapes, from $EDGETUNE_MAX_INPUT_MB."""
+    return float(os.environ.get("EDGETUNE_MAX_INPUT_MB") or DEFAULT_MAX_INPUT_MB)
 
 
 def parse_shape_text(spec: KernelSpec, text: str) -> dict[str, str]:
@@ -28,26 +35,25 @@ def custom_name(spec: KernelSpec, shape: Shape) -> str:
     return "custom." + "-".join(f"{d.name}{shape[d.name]}" for d in spec.dims)
 
 
-def custom_workload(spec: KernelSpec, shape_text: str, max_input_mb: float = DEFAULT_MAX_INPUT_MB) -> Workload:
+def custom_workload(spec: KernelSpec, shape_text: str) -> Workload:
     shape = spec.validate_shape(parse_shape_text(spec, shape_text))
-    mb = spec.bytes_moved(shape) / 1e6
-    if mb > max_input_mb:
+    mb, cap = spec.bytes_moved(shape) / 1e6, max_input_mb()
+    if mb > cap:
         raise BadInput(
-            f"{spec.name} shape {shape} needs about {mb:,.0f} MB of buffers, over the {max_input_mb:,.0f} MB cap "
-            "(set max_input_mb in the config to raise it)"
+            f"{spec.name} shape {shape} needs about {mb:,.0f} MB of buffers, over the {cap:,.0f} MB cap "
+            "(raise it with EDGETUNE_MAX_INPUT_MB)"
         )
     return Workload(custom_name(spec, shape), shape, "custom shape")
 
 
-def resolve(spec: KernelSpec, workload: str | None, shape_text: str | None, *,
-            max_input_mb: float = DEFAULT_MAX_INPUT_MB) -> Workload:
+def resolve(spec: KernelSpec, workload: str | None, shape_text: str | None) -> Workload:
     if workload and shape_text:
         raise BadInput("give either --workload or --shape, not both")
     if shape_text:
-        return custom_workload(spec, shape_text, max_input_mb)
+        return custom_workload(spec, shape_text)
     if workload:
         if workload.startswith("custom."):
-            return custom_workload(spec, _shape_text_from_name(spec, workload), max_input_mb)
+            return custom_workload(spec, _shape_text_from_name(spec, workload))
         return spec.workload(workload)
     raise BadInput(f"name a workload (--workload, one of: {', '.join(w.name for w in spec.workloads)}) or give --shape")
 

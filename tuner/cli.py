@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +226,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
     entry = {"config": cfg, "ms": m.ms, "default_ms": old.get("default_ms") if old else None,
              "speedup": (old["default_ms"] / m.ms) if old and old.get("default_ms") else None,
              "evals": 0, "tuning_s": 0.0, "strategy": "pinned", "shape": wl.shape, "ort_ms": old and old.get("ort_ms"),
-             "tuned_at": m and __import__("time").time(), "hw_fingerprint": hw.hw_fingerprint,
+             "tuned_at": time.time(), "hw_fingerprint": hw.hw_fingerprint,
              "fw_fingerprint": hw.fw_fingerprint, "isa": hw.isa,
              "tuned_entry": (old.get("tuned_entry") if old and old.get("pinned") else
                              {k: v for k, v in old.items() if k != "pinned"} if old else None)}

@@ -1,0 +1,87 @@
+"""Custom shapes are first-class workloads on every verb; an imported ONNX model tunes exactly its layers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgetune.main", *args], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_bench_custom_shape():
+    p = _cli("bench", "gemm", "--shape", "M=100,N=200,K=300", "--default", "--json")
+    assert p.returncode == 0, p.stderr
+    row = json.loads(p.stdout)
+    assert row["ok"] and row["workload"] == "custom.M100-N200-K300" and row["shape"] == {"M": 100, "N": 200, "K": 300}
+
+
+def test_tune_custom_shape_then_report_pin_verify():
+    p = _cli("tune", "--kernel", "dwconv_3x3", "--shape", "H=20,W=20,C=96,stride=1", "--budget", "10", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)["results"][0]
+    assert res["workload"] == "custom.H20-W20-C96-stride1" and res["evals"] == 10
+    rep = json.loads(_cli("report", "--json").stdout)
+    assert [r["workload"] for r in rep] == ["custom.H20-W20-C96-stride1"]
+    v = _cli("verify", "--kernel", "dwconv_3x3", "--shape", "H=20,W=20,C=96,stride=1", "--threshold", "10", "--json")
+    assert v.returncode == 0, v.stderr
+    assert json.loads(v.stdout)[0]["workload"] == "custom.H20-W20-C96-stride1"
+    pin = _cli("pin", "dwconv_3x3", "H=20,W=20,C=96,stride=1", '{"vec": 4}', "--json")
+    assert pin.returncode == 0, pin.stderr
+    assert json.loads(_cli("report", "--json").stdout)[0]["config"]["vec"] == 4
+
+
+@pytest.mark.parametrize("shape,needle", [
+    ("M=100,N=200", "missing dimension(s) K; dimensions are: M, N, K"),
+    ("M=100,N=200,K=300,Z=1", "unknown dimension(s) Z"),
+    ("M=100,N=0,K=300", "dimension N=0 must be a positive integer"),
+    ("M=100,N=-4,K=300", "dimension N=-4 must be a positive integer"),
+    ("M=100,N=abc,K=300", "dimension N=abc must be a positive integer"),
+    ("M=100,N,K=300", "is not NAME=VALUE"),
+    ("M=200000,N=200000,K=300", "MB of buffers, over the 512 MB cap"),
+])
+def test_bad_shapes_exit_2(shape, needle):
+    p = _cli("bench", "gemm", "--shape", shape, "--default")
+    assert p.returncode == 2, p.stderr
+    assert needle in " ".join(p.stderr.split())
+
+
+def test_dwconv_bad_stride_names_allowed():
+    p = _cli("tune", "--kernel", "dwconv_3x3", "--shape", "H=20,W=20,C=96,stride=3")
+    assert p.returncode == 2 and "stride=3 not allowed; allowed: 1, 2" in " ".join(p.stderr.split())
+
+
+def test_import_onnx_then_tune_exactly_those_layers(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    w_pw = numpy_helper.from_array(rng.standard_normal((32, 16, 1, 1)).astype(np.float32), "w_pw")
+    w_dw = numpy_helper.from_array(rng.standard_normal((32, 1, 3, 3)).astype(np.float32), "w_dw")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w_pw"], ["a"], kernel_shape=[1, 1]),
+         helper.make_node("Relu", ["a"], ["b"]),
+         helper.make_node("Conv", ["b", "w_dw"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=32)],
+        "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 12, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 12, 12])], initializer=[w_pw, w_dw])
+    model = tmp_path / "tiny.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    wl_file = tmp_path / "tiny.workloads.toml"
+    p = _cli("workloads", "import", str(model), "-o", str(wl_file), "--json")
+    assert p.returncode == 0, p.stderr
+    p = _cli("tune", "--workloads", str(wl_file), "--budget", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    tuned = {(r["kernel"], tuple(sorted(r["shape"].items()))) for r in json.loads(p.stdout)["results"]}
+    assert tuned == {("gemm", (("K", 16), ("M", 144), ("N", 32))),
+                     ("dwconv_3x3", (("C", 32), ("H", 12), ("W", 12), ("stride", 1)))}
+    import tomllib
+
+    imported = {(w["kernel"], w["name"]) for w in tomllib.loads(wl_file.read_text())["workload"]}
+    rep = json.loads(_cli("report", "--json").stdout)
+    assert {(r["kernel"], r["workload"]) for r in rep} == imported and len(imported) == 2
