@@ -23,9 +23,20 @@ class Measurement:
     max_abs_err: float | None = None
     load1: float = field(default_factory=lambda: os.getloadavg()[0])
     wall_ms: list[float] = field(default_factory=list)
+    # the timed window (CLOCK_MONOTONIC, comparable across processes) and the calls in it, for energy meters
+    t0: float | None = None
+    t1: float | None = None
+    calls: int = 0
+    energy_j: float | None = None  # joules per call above idle, when a power meter measured the window
+    score: float | None = None  # what strategies minimise: ms, energy_j or their product (see tuner.objective)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def value(self) -> float:
+        """The objective value strategies rank by: the score when one is set, else latency."""
+        return self.score if self.score is not None else self.ms
 
     @classmethod
     def failed(cls, reason: str) -> "Measurement":

@@ -14,6 +14,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,8 @@ class Runner:
         return Measurement(
             ok=True, ms=ms, cv=cv, reps=len(reply["wall_ms"]), reps_used=used, estimator=name,
             cpu_ms=float(np.median(reply["cpu_ms"])), nivcsw=int(sum(reply["nivcsw"])),
-            max_abs_err=reply["max_abs_err"], wall_ms=reply["wall_ms"],
+            max_abs_err=reply["max_abs_err"], wall_ms=reply["wall_ms"], t0=reply["t0"], t1=reply["t1"],
+            calls=reply["calls"],
         )
 
     def _readline(self, proc: subprocess.Popen, timeout: float) -> str | None:
@@ -160,10 +162,15 @@ def _serve_one(req: dict[str, Any]) -> dict[str, Any]:
                     "max_abs_err": err}
     wall, cpu, niv = _bench(lib, dims, bufs, warmup=1, reps=3, inner=1)
     call_ms = max(min(wall), 1e-5)
-    inner = int(min(10_000, max(1, math.ceil(INNER_MIN_MS / call_ms))))
-    reps = int(min(req["max_reps"], max(5, math.ceil(req["min_time_s"] * 1e3 / (call_ms * inner)))))
+    # a rep lasts at least INNER_MIN_MS, and reps * inner calls fill min_time_s without exceeding max_reps
+    want_calls = req["min_time_s"] * 1e3 / call_ms
+    inner = int(min(100_000, max(1, math.ceil(INNER_MIN_MS / call_ms), math.ceil(want_calls / req["max_reps"]))))
+    reps = int(min(req["max_reps"], max(5, math.ceil(want_calls / inner))))
+    t0 = time.monotonic()
     wall, cpu, niv = _bench(lib, dims, bufs, warmup=1, reps=reps, inner=inner)
-    return {"ok": True, "max_abs_err": err, "wall_ms": wall, "cpu_ms": cpu, "nivcsw": niv, "inner": inner}
+    t1 = time.monotonic()
+    return {"ok": True, "max_abs_err": err, "wall_ms": wall, "cpu_ms": cpu, "nivcsw": niv, "inner": inner,
+            "t0": t0, "t1": t1, "calls": 1 + reps * inner}
 
 
 def _bench(lib: ctypes.CDLL, dims: Any, bufs: Any, *, warmup: int, reps: int, inner: int) -> tuple[list, list, list]:

@@ -23,6 +23,7 @@ from kernels.space import Config, SearchSpace, config_key
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
 from tuner.db import ResultsDB
+from tuner.objective import Objective
 from tuner.strategies import Strategy, make_strategy
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class TuneResult:
     cached: bool = False
     ort_ms: float | None = None
     failed: int = 0
+    objective: str = "latency"
+    objective_note: str | None = None  # why an energy/edp run fell back to latency
+    energy_j: float | None = None  # joules per call of the winner, when a meter measured it
+    default_energy_j: float | None = None
     tuned_at: float = field(default_factory=time.time)
     extra: dict = field(default_factory=dict)
 
@@ -66,16 +71,18 @@ class TuneResult:
         """The config/active entry (DESIGN.md contract) plus what `report` needs."""
         return {"config": self.config, "ms": self.ms, "default_ms": self.default_ms, "speedup": self.speedup,
                 "evals": self.evals, "tuning_s": self.tuning_s, "strategy": self.strategy, "shape": self.shape,
-                "ort_ms": self.ort_ms, "tuned_at": self.tuned_at, "session_id": self.session_id, "key": self.key}
+                "ort_ms": self.ort_ms, "tuned_at": self.tuned_at, "session_id": self.session_id, "key": self.key,
+                "objective": self.objective, "energy_j": self.energy_j, "default_energy_j": self.default_energy_j}
 
 
 ProgressFn = Callable[[int, int, str], None]  # (evals done, eval budget, message)
 
 
-def result_key(spec: KernelSpec, wl: Workload, hw: Any, strategy: Strategy) -> str:
-    """Helion-style cache key: kernel source hash + workload shape + hardware + isa + compiler + strategy version."""
+def result_key(spec: KernelSpec, wl: Workload, hw: Any, strategy: Strategy, objective: str = "latency") -> str:
+    """Helion-style cache key: kernel source hash + workload shape + hardware + isa + compiler + strategy version
+    (+ the objective, since an energy-tuned winner answers a different question)."""
     parts = [spec.name, spec.source_hash(), wl.name, json.dumps(wl.shape, sort_keys=True), hw.hw_fingerprint, hw.isa,
-             hw.compiler.id, f"{strategy.name}-{strategy.version}"]
+             hw.compiler.id, f"{strategy.name}-{strategy.version}", objective]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -85,11 +92,13 @@ class Session:
 
     def tune(self, spec: KernelSpec, wl: Workload, *, strategy: str = "anneal", budget: Budget | None = None,
              seed: int = 0, force: bool = False, batch: int | None = None, origin: str = "cli",
-             progress: ProgressFn | None = None, strategy_obj: Strategy | None = None) -> TuneResult:
+             progress: ProgressFn | None = None, strategy_obj: Strategy | None = None,
+             objective: Objective | None = None) -> TuneResult:
         budget = budget or Budget()
+        objective = objective or Objective()
         space = spec.space(wl.shape, self.hw)
         strat = strategy_obj or make_strategy(strategy, space, seed)
-        key = result_key(spec, wl, self.hw, strat)
+        key = result_key(spec, wl, self.hw, strat, objective.name)
         if not force:
             done = self.db.finished_session(key)
             if done and done.result:
@@ -111,26 +120,39 @@ class Session:
         evals: list[tuple[Config, Measurement]] = []
         batch = batch or max(1, self.hw.cores)
         best_ms, since_best = float("inf"), 0
+        relearned = objective.fallback_reason is not None
         while len(evals) < budget.evals:
             if budget.seconds is not None and time.monotonic() - t0 >= budget.seconds:
                 break
             if budget.patience is not None and since_best >= budget.patience:
                 break
-            asked = strat.ask(min(batch, budget.evals - len(evals)))
+            # a strategy may return more than asked (llm: its top-K as one batch); never beyond the budget
+            asked = strat.ask(min(batch, budget.evals - len(evals)))[: budget.evals - len(evals)]
             if not asked:
                 break
-            measured = self._measure_batch(spec, wl, sess.id, len(evals), asked, journal)
+            measured = self._measure_batch(spec, wl, sess.id, len(evals), asked, journal, objective)
+            if objective.fallback_reason and not relearned:
+                # an energy run fell back to latency: rescore everything, re-teach a fresh strategy in ms
+                relearned = True
+                for _, m in evals + measured:
+                    m.score = m.ms if m.ok else None
+                best_ms = min((m.ms for _, m in evals if m.ok), default=float("inf"))
+                if strategy_obj is None:
+                    strat = make_strategy(strategy, space, seed)
+                    for c, m in evals:
+                        strat.tell(c, m)
             for cfg, m in measured:
                 strat.tell(cfg, m)
                 evals.append((cfg, m))
-                if m.ok and m.ms < best_ms * (1 - TIE_THRESHOLD):
-                    best_ms, since_best = m.ms, 0
+                if m.ok and m.value < best_ms * (1 - TIE_THRESHOLD):
+                    best_ms, since_best = m.value, 0
                 else:
                     since_best += 1
-                best_ms = min(best_ms, m.ms) if m.ok else best_ms
+                best_ms = min(best_ms, m.value) if m.ok else best_ms
                 if progress:
-                    progress(len(evals), budget.evals, f"{spec.name}/{wl.name} best {best_ms:.4f} ms")
-        return self._finish(spec, wl, space, strat, sess.id, key, evals, t0)
+                    progress(len(evals), budget.evals, f"{spec.name}/{wl.name} best {best_ms:.4g} "
+                                                       f"{'ms' if objective.active == 'latency' else objective.active}")
+        return self._finish(spec, wl, space, strat, sess.id, key, evals, t0, objective)
 
     @staticmethod
     def _elapsed(journal: dict) -> float:
@@ -141,14 +163,14 @@ class Session:
         return max(ts) - min(ts)
 
     def _measure_batch(self, spec: KernelSpec, wl: Workload, session_id: int, seq0: int, cfgs: list[Config],
-                       journal: dict) -> list[tuple[Config, Measurement]]:
+                       journal: dict, objective: Objective) -> list[tuple[Config, Measurement]]:
         """Replay journaled measurements; compile the rest as one batch, then measure them one by one."""
         out: list[tuple[Config, Measurement] | None] = [None] * len(cfgs)
         todo = []
         for i, cfg in enumerate(cfgs):
             j = journal.get(seq0 + i)
             if j and j["config_key"] == config_key(cfg):
-                out[i] = (cfg, _from_stats(j["stats"]))
+                out[i] = (cfg, objective.score(_from_stats(j["stats"])))
             else:
                 todo.append(i)
         if todo:
@@ -159,21 +181,24 @@ class Session:
                 if isinstance(b, CompileError):
                     m = Measurement.failed(f"compile error: {b}")
                 else:
-                    m = self.runner.measure(spec, wl.shape, b.path, min_time_s=SEARCH_MIN_TIME_S)
+                    m = objective.score(self.runner.measure(
+                        spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s)))
                 self.db.add_measurement(session_id, "search", seq0 + i, cfgs[i], config_key(cfgs[i]), m, compile_s)
                 out[i] = (cfgs[i], m)
         return [o for o in out if o is not None]
 
     def remeasure(self, spec: KernelSpec, wl: Workload, cfgs: list[Config], session_id: int, phase: str,
-                  rounds: int = FINAL_ROUNDS) -> list[Measurement]:
+                  rounds: int = FINAL_ROUNDS, objective: Objective | None = None) -> list[Measurement]:
         """Interleaved A B C A B C ... so drift and bursts of load hit every finalist alike; median per config."""
+        objective = objective or Objective()
         builds = build_many(spec, cfgs, self.hw)
         per: list[list[Measurement]] = [[] for _ in cfgs]
         seq = 0
         for _ in range(rounds):
             for i, (cfg, b) in enumerate(zip(cfgs, builds)):
                 m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError)
-                     else self.runner.measure(spec, wl.shape, b.path, min_time_s=SEARCH_MIN_TIME_S))
+                     else objective.score(self.runner.measure(
+                         spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s))))
                 self.db.add_measurement(session_id, phase, seq, cfg, config_key(cfg), m, None)
                 seq += 1
                 per[i].append(m)
@@ -183,16 +208,18 @@ class Session:
             if not good:
                 out.append(ms[0])
                 continue
-            med = statistics.median(m.ms for m in good)
             cvs = [m.cv for m in good if m.cv is not None]
-            out.append(Measurement(ok=True, ms=med, cv=statistics.median(cvs) if cvs else None,
-                                   reps=sum(m.reps for m in good), reps_used=sum(m.reps_used for m in good),
-                                   estimator="median-of-interleaved", max_abs_err=max(m.max_abs_err or 0 for m in good),
-                                   load1=good[-1].load1))
+            energies = [m.energy_j for m in good if m.energy_j is not None]
+            merged = Measurement(ok=True, ms=statistics.median(m.ms for m in good),
+                                 cv=statistics.median(cvs) if cvs else None,
+                                 reps=sum(m.reps for m in good), reps_used=sum(m.reps_used for m in good),
+                                 estimator="median-of-interleaved", max_abs_err=max(m.max_abs_err or 0 for m in good),
+                                 load1=good[-1].load1, energy_j=statistics.median(energies) if energies else None)
+            out.append(objective.score(merged))
         return out
 
     def _finish(self, spec: KernelSpec, wl: Workload, space: SearchSpace, strat: Strategy, session_id: int, key: str,
-                evals: list[tuple[Config, Measurement]], t0: float) -> TuneResult:
+                evals: list[tuple[Config, Measurement]], t0: float, objective: Objective) -> TuneResult:
         ok = sorted(((c, m) for c, m in evals if m.ok), key=lambda cm: cm[1].ms)
         failed = sum(1 for _, m in evals if not m.ok)
         default = space.valid_default()
@@ -203,18 +230,22 @@ class Session:
         finalists = [c for c, _ in ok[:FINALISTS]]
         if config_key(default) not in {config_key(c) for c in finalists}:
             finalists.append(default)  # the default is always a finalist: speedup is measured, not assumed
-        final = self.remeasure(spec, wl, finalists, session_id, "final")
+        final = self.remeasure(spec, wl, finalists, session_id, "final", objective=objective)
+        if objective.fallback_reason:  # a finalist's window was refused: rank them all by latency
+            for m in final:
+                m.score = m.ms
         scored = [(c, m) for c, m in zip(finalists, final) if m.ok]
-        best_ms = min(m.ms for _, m in scored)
+        best = min(m.value for _, m in scored)
         # ties (within the noise threshold) go to the default, then to the config closest to it
-        tied = [(c, m) for c, m in scored if is_tie(m.ms, best_ms)]
-        winner, wm = min(tied, key=lambda cm: (space.distance(cm[0], default), cm[1].ms))
+        tied = [(c, m) for c, m in scored if is_tie(m.value, best)]
+        winner, wm = min(tied, key=lambda cm: (space.distance(cm[0], default), cm[1].value))
         dm = next((m for c, m in zip(finalists, final) if config_key(c) == config_key(default) and m.ok), None)
         res = TuneResult(
             kernel=spec.name, workload=wl.name, shape=wl.shape, config=winner, ms=wm.ms,
             default_ms=dm.ms if dm else None, speedup=(dm.ms / wm.ms) if dm else None, evals=len(evals),
             tuning_s=time.monotonic() - t0, strategy=strat.name, session_id=session_id, key=key, failed=failed,
-            ort_ms=self._ort_ms(spec, wl),
+            ort_ms=self._ort_ms(spec, wl), objective=objective.active, objective_note=objective.fallback_reason,
+            energy_j=wm.energy_j, default_energy_j=dm.energy_j if dm else None,
         )
         self.db.finish_session(session_id, "done", res.to_dict())
         self._activate(spec, wl, res)

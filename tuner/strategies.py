@@ -40,8 +40,8 @@ class _Base:
 
     def tell(self, cfg: Config, m: Measurement) -> None:
         self.seen.add(config_key(cfg))
-        if m.ok and (self.best is None or m.ms < self.best[0]):
-            self.best = (m.ms, cfg)
+        if m.ok and (self.best is None or m.value < self.best[0]):
+            self.best = (m.value, cfg)
 
     def _fresh(self, cfgs: list[Config], n: int) -> list[Config]:
         out, keys = [], set()
@@ -115,16 +115,22 @@ class Anneal(_Base):
         super().tell(cfg, m)
         if not m.ok:
             return
-        if self.current is None or m.ms < self.current[0]:
-            self.current = (m.ms, cfg)
+        if self.current is None or m.value < self.current[0]:
+            self.current = (m.value, cfg)
         else:
-            worse = (m.ms - self.current[0]) / self.current[0]
+            worse = (m.value - self.current[0]) / self.current[0]
             if self.rng.random() < math.exp(-worse / max(self.temp, 1e-6)):
-                self.current = (m.ms, cfg)
+                self.current = (m.value, cfg)
         self.temp *= self.cooling
 
 
-STRATEGIES: dict[str, type] = {"exhaustive": Exhaustive, "random": RandomSearch, "anneal": Anneal}
+def _llm(space: SearchSpace, seed: int = 0) -> Strategy:
+    from tuner.llm import LLMStrategy  # lazy: loads llama.cpp only when the llm strategy is used
+
+    return LLMStrategy(space, seed)
+
+
+STRATEGIES: dict[str, type] = {"exhaustive": Exhaustive, "random": RandomSearch, "anneal": Anneal, "llm": _llm}
 
 
 def make_strategy(name: str, space: SearchSpace, seed: int = 0) -> Strategy:

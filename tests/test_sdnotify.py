@@ -1,0 +1,131 @@
+"""sd_notify over a real datagram socket: filesystem and abstract addresses, the watchdog interval, and the
+daemon itself announcing READY, WATCHDOG and STATUS as systemd would see them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from daemon import sdnotify
+
+EDGETUNE = Path(sys.executable).parent / "edgetune"
+
+
+@pytest.fixture
+def listener(tmp_path, monkeypatch, request):
+    """A bound SOCK_DGRAM socket standing in for systemd; NOTIFY_SOCKET points at it."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if getattr(request, "param", "path") == "abstract":
+        name = f"edgetune-test-{uuid.uuid4().hex}"
+        s.bind("\0" + name)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+    else:
+        path = tmp_path / "notify.sock"
+        s.bind(str(path))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    s.settimeout(5)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("listener", ["path", "abstract"], indirect=True)
+def test_ready_status_watchdog_arrive(listener) -> None:
+    assert sdnotify.notify(READY=1, STATUS="tuning gemm/kws_dscnn.fc (40%)")
+    assert listener.recv(4096) == b"READY=1\nSTATUS=tuning gemm/kws_dscnn.fc (40%)\n"
+    assert sdnotify.notify(WATCHDOG=1)
+    assert listener.recv(4096) == b"WATCHDOG=1\n"
+    assert sdnotify.notify(STOPPING=1)
+    assert listener.recv(4096) == b"STOPPING=1\n"
+
+
+def test_status_newlines_cannot_forge_fields(listener) -> None:
+    sdnotify.notify(STATUS="line one\nREADY=1")
+    assert listener.recv(4096) == b"STATUS=line one READY=1\n"
+
+
+def test_outside_systemd_is_a_noop(monkeypatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert sdnotify.notify(READY=1) is False
+
+
+def test_nobody_listening_is_not_an_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
+    assert sdnotify.notify(WATCHDOG=1) is False
+
+
+@pytest.mark.parametrize("usec,pid,expected", [
+    ("20000000", None, 10.0),
+    ("20000000", "self", 10.0),
+    ("20000000", "1", None),  # meant for another process
+    (None, None, None),
+    ("0", None, None),
+    ("soon", None, None),
+])
+def test_watchdog_interval(monkeypatch, usec, pid, expected) -> None:
+    for name, value in (("WATCHDOG_USEC", usec), ("WATCHDOG_PID", str(os.getpid()) if pid == "self" else pid)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert sdnotify.watchdog_interval() == expected
+
+
+def _daemon_verb() -> bool:
+    if not (Path(sdnotify.__file__).parent / "service.py").exists():
+        return False
+    r = subprocess.run([str(EDGETUNE), "daemon", "--help"], capture_output=True, text=True)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _daemon_verb(), reason="the `edgetune daemon` verb (daemon/service.py) is not there yet")
+def test_daemon_speaks_sd_notify(tmp_path, listener) -> None:
+    """The real daemon, started as systemd would: NOTIFY_SOCKET and WATCHDOG_USEC set, no broker configured."""
+    from tests.test_daemon_support import DaemonProc, daemon_config
+
+    d = DaemonProc(daemon_config(tmp_path, None, idle_load_threshold=1e-9))  # no background tuning here
+    d.env |= {"WATCHDOG_USEC": "1000000"}  # pings expected every 0.5 s
+    d.env.pop("WATCHDOG_PID", None)
+    d.start()
+    got: list[tuple[float, str]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            fields = [f for t, m in got for f in m.splitlines()]
+            if "READY=1" in fields and fields.count("WATCHDOG=1") >= 4 and any(f.startswith("STATUS=") for f in fields):
+                break
+            assert d.proc.poll() is None, f"daemon exited:\n{d.log[-3000:]}"
+            try:
+                got.append((time.monotonic(), listener.recv(4096).decode()))
+            except TimeoutError:
+                pass
+        assert d.signal(signal.SIGTERM) == 0
+        while True:  # drain what it said on the way out
+            listener.settimeout(0.5)
+            try:
+                got.append((time.monotonic(), listener.recv(4096).decode()))
+            except TimeoutError:
+                break
+    finally:
+        d.stop()
+    t0 = got[0][0] if got else 0.0
+    for t, m in got:
+        print(f"+{t - t0:6.2f}s  {m.strip()!r}")
+    fields = [f for _, m in got for f in m.splitlines()]
+    assert "READY=1" in fields, d.log[-3000:]
+    assert any(f.startswith("STATUS=") for f in fields)
+    assert "STOPPING=1" in fields
+    pings = [t for t, m in got if "WATCHDOG=1" in m.splitlines()]
+    ready_at = next(t for t, m in got if "READY=1" in m.splitlines())
+    assert len(pings) >= 4 and pings[-1] > ready_at
+    gap = statistics.median(b - a for a, b in zip(pings, pings[1:]))
+    print(f"watchdog: {len(pings)} pings, median gap {gap:.2f} s for WATCHDOG_USEC=1 s")
+    assert 0.3 <= gap <= 0.8  # half of WATCHDOG_USEC
