@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# tests also exercise the training path (tokenizer and logits parity), so they install the [train] extra
 $(VENV)/.dev: $(VENV)/.installed
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,train]'
 	touch $@
 
 dev: $(VENV)/.dev
@@ -30,6 +31,10 @@ run: install
 
 test: dev mosquitto
 	$(PY) -m pytest -q
+
+# reproduce quantized_models/ from the committed data (about 2 minutes on 2 cores)
+model: $(VENV)/.dev
+	$(PY) -m tuner.train
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -23,7 +23,7 @@ from tuner.export import to_c_header
 from tuner.session import Budget, Session
 from tuner.strategies import STRATEGIES
 
-DEFAULT_STRATEGY = "anneal"
+DEFAULT_STRATEGY = "llm"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,6 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
     json_flag(p)
     p.set_defaults(func=cmd_export)
+
+    from tuner.model.cli import register as register_model  # verbs `propose` and `train`
+
+    register_model(sub)
 
 
 def _hw(isa: str | None) -> Any:

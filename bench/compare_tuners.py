@@ -1,0 +1,466 @@
+"""Compare tuners side by side on the tuner model's held-out cases: `python bench/compare_tuners.py`.
+
+Replay (eval counts): every held-out case of the committed dataset (quantized_models/data/runs.jsonl.gz) has a
+reference table: every config measured on it (the seeded sample, the defaults and an annealing refinement),
+whose best is the case's best-known. Each strategy tunes each case over that table as its universe (as Kernel
+Tuner's simulation mode does off a cache file): asking for a config returns its recorded time instead of
+compiling and measuring it. Configs outside the table do not exist for any strategy; peers that propose one
+(Optuna, OpenTuner) are told it failed and it does not count as an evaluation.
+
+Printed per strategy: evals to within 5% of best-known (median, p90; a case never reached counts as budget+1),
+the share of cases within 5 evals, the estimated wall time to that point (recorded compile time + measurement
+time per eval, plus model latency for llm), and the best found at budgets 5, 10 and 20 (geometric mean of
+found/best-known, and the share within 5%).
+
+Real run (`--real N`): N held-out bundled workloads on this machine through the real Session (compile + measure
++ interleaved finalists), for llm, anneal and random: wall time, evals, and the result against best-known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels.measure import Measurement  # noqa: E402
+from kernels.registry import all_specs  # noqa: E402
+from kernels.space import Config, Constraint, SearchSpace, config_key  # noqa: E402
+from tuner.train import data as D  # noqa: E402
+from tuner.train.data import HwView as _HwView  # noqa: E402  (torch-free)
+
+BUDGETS = (5, 10, 20)
+MEASURE_S = 0.12  # per-eval measurement time in a session (SEARCH_MIN_TIME_S 0.08 + worker round trip)
+
+
+# ---- the replay universe ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TableSpace(SearchSpace):
+    """A SearchSpace whose valid configs are exactly a case's reference table."""
+
+    table: tuple = ()
+
+    def _keys(self) -> set:
+        return {config_key(c) for c in self.table}
+
+    def enumerate(self):
+        yield from (dict(c) for c in self.table)
+
+    def sample(self, n: int, rng: random.Random, exclude: set[str] | None = None) -> list[Config]:
+        pool = [c for c in self.table if config_key(c) not in (exclude or set())]
+        rng.shuffle(pool)
+        return [dict(c) for c in pool[:n]]
+
+    def neighbours(self, cfg: Config) -> list[Config]:
+        """Table configs at the smallest knob distance from cfg (one step when the table has them)."""
+        ds = [(self.distance(cfg, c), c) for c in self.table if config_key(c) != config_key(cfg)]
+        if not ds:
+            return []
+        dmin = min(d for d, _ in ds)
+        return [dict(c) for d, c in ds if d == dmin]
+
+    def valid_default(self) -> Config:
+        return min(self.table, key=lambda c: self.distance(c, self.default))
+
+
+def case_space(case: D.Case) -> tuple[TableSpace, dict[str, float]]:
+    spec = all_specs()[case.kernel]
+    hw = _HwView(case.hw)
+    table = case.table()
+    cfgs = tuple(case.configs[k] for k in table)
+    pred = D.table_predicate([p.name for p in spec.params], cfgs)
+    base = spec.space(case.shape, hw)
+    sp = TableSpace(base.params, base.constraints + (Constraint("in the replay table", lambda c, s, h: pred(c)),),
+                    base.default, base.shape, hw, cfgs)
+    return sp, table
+
+
+# ---- strategies as replay drivers -------------------------------------------------------------------------
+
+def run_askteller(strat, table: dict[str, float], budget: int, batch: int = 2) -> list[float]:
+    """Drive an ask/tell strategy; returns the recorded ms of each distinct config evaluated, in order."""
+    out, seen = [], set()
+    stalls = 0
+    while len(out) < budget and stalls < 3:
+        asked = strat.ask(min(batch, budget - len(out)))
+        if not asked:
+            stalls += 1
+            continue
+        for c in asked:
+            k = config_key(c)
+            ms = table.get(k)
+            m = Measurement(ok=True, ms=ms) if ms is not None else Measurement.failed("not in table")
+            strat.tell(c, m)
+            if k not in seen and ms is not None:
+                seen.add(k)
+                out.append(ms)
+    return out
+
+
+def run_builtin(name: str, space: TableSpace, table: dict, budget: int, seed: int) -> tuple[list[float], float]:
+    from tuner.strategies import Anneal, RandomSearch
+
+    cls = {"random": RandomSearch, "anneal": Anneal}[name]
+    return run_askteller(cls(space, seed), table, budget), 0.0
+
+
+def run_llm(space: TableSpace, table: dict, budget: int, seed: int, kernel: str, proposer) -> tuple[list[float], float]:
+    from tuner.llm import LLMStrategy
+
+    s = LLMStrategy(space, seed, kernel=kernel, proposer=proposer, refine_patience=budget)
+    # the proposer sees the table through the space's constraints (prefix-pruned), like every other strategy
+    traj = run_askteller(s, table, budget, batch=5)
+    return traj, (s.latency_ms or 0.0) / 1e3
+
+
+def project(space: TableSpace, cfg: Config) -> Config:
+    """The table config nearest to a peer's suggestion (knob steps; first in table order on ties)."""
+    return min(space.table, key=lambda c: space.distance(c, cfg))
+
+
+def run_optuna(space: TableSpace, table: dict, budget: int, seed: int) -> tuple[list[float], float]:
+    """Optuna TPE over the knobs as categoricals; a suggestion outside the table is projected onto the nearest
+    table config, whose time is told back for the suggested params."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
+    out, seen = [], set()
+    for _ in range(budget * 10):
+        if len(out) >= budget or len(seen) == len(table):
+            break
+        t = study.ask()
+        cfg = project(space, {p.name: t.suggest_categorical(p.name, list(p.values)) for p in space.params})
+        k = config_key(cfg)
+        study.tell(t, table[k])
+        if k not in seen:
+            seen.add(k)
+            out.append(table[k])
+    return out, 0.0
+
+
+def run_opentuner(space: TableSpace, table: dict, budget: int, seed: int) -> tuple[list[float], float]:
+    import logging
+
+    import opentuner  # noqa: F401
+    from opentuner.api import TuningRunManager
+    from opentuner.measurement.interface import DefaultMeasurementInterface
+    from opentuner.resultsdb.models import Result
+    from opentuner.search.manipulator import ConfigurationManipulator, EnumParameter
+
+    logging.getLogger("opentuner").setLevel(logging.ERROR)
+    random.seed(seed)
+    man = ConfigurationManipulator()
+    for p in space.params:
+        man.add_parameter(EnumParameter(p.name, [str(v) for v in p.values]))
+    with tempfile.TemporaryDirectory() as td, contextlib.chdir(td):  # opentuner writes opentuner.log in cwd
+        args = argparse.Namespace(**{**vars(_opentuner_args()), "database": f"sqlite:///{td}/ot.db",
+                                     "seed": seed})
+        mi = DefaultMeasurementInterface(args=args, manipulator=man, project_name="edgetune",
+                                         program_name="replay", program_version="1")
+        api = TuningRunManager(mi, args)
+        out, seen = [], set()
+        for _ in range(budget * 25):
+            if len(out) >= budget:
+                break
+            dr = api.get_next_desired_result()
+            if dr is None:
+                continue
+            raw = dr.configuration.data
+            cfg = project(space, {p.name: p.coerce(raw[p.name]) for p in space.params})
+            ms = table.get(config_key(cfg))
+            api.report_result(dr, Result(time=ms))
+            if ms is not None and config_key(cfg) not in seen:
+                seen.add(config_key(cfg))
+                out.append(ms)
+        api.finish()
+    return out, 0.0
+
+
+def _opentuner_args():
+    from opentuner import default_argparser
+
+    return default_argparser().parse_args([])
+
+
+def run_kernel_tuner(space: TableSpace, table: dict, budget: int, seed: int,
+                     strategy: str = "bayes_opt") -> tuple[list[float], float]:
+    """Kernel Tuner's own simulation mode: a cache file holding the table, `tune_cache` with one strategy."""
+    import contextlib
+    import io
+
+    import numpy as np
+    from kernel_tuner import tune_cache
+
+    names = [p.name for p in space.params]
+    cache = {}
+    for c in space.table:
+        key = ",".join(str(c[n]) for n in names)
+        cache[key] = {**{n: c[n] for n in names}, "time": table[config_key(c)], "times": [table[config_key(c)]],
+                      "compile_time": 350.0, "verification_time": 0.0, "benchmark_time": MEASURE_S * 1e3}
+    doc = {"device_name": "edgetune-replay", "kernel_name": "replay", "problem_size": [1],
+           "tune_params_keys": names, "tune_params": {p.name: list(p.values) for p in space.params},
+           "objective": "time", "cache": cache}
+    with tempfile.TemporaryDirectory() as td:
+        path = Path(td) / "cache.json"
+        path.write_text(json.dumps(doc))
+        random.seed(seed)
+        np.random.seed(seed)
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results, _ = tune_cache(str(path), strategy=strategy, strategy_options={"max_fevals": budget},
+                                    quiet=True, verbose=False)
+    out, seen = [], set()
+    for r in results:
+        if not r or "__error__" in r or not isinstance(r.get("time"), float):
+            continue
+        k = config_key({n: r[n] for n in names})
+        if k not in seen and k in table:
+            seen.add(k)
+            out.append(table[k])
+    return out[:budget], 0.0
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------
+
+def evals_to(traj: list[float], best: float, tol: float = 0.05) -> int | None:
+    for i, ms in enumerate(traj):
+        if ms <= best * (1 + tol):
+            return i + 1
+    return None
+
+
+def best_at(traj: list[float], n: int) -> float | None:
+    return min(traj[:n]) if traj[:n] else None
+
+
+def summarise(name: str, rows: list[dict], budget: int) -> dict:
+    ev = [r["evals_to"] if r["evals_to"] is not None else budget + 1 for r in rows]
+    out = {"strategy": name, "cases": len(rows),
+           "median_evals": statistics.median(ev), "p90_evals": sorted(ev)[max(0, math.ceil(0.9 * len(ev)) - 1)],
+           "reached": sum(1 for r in rows if r["evals_to"] is not None) / len(rows),
+           "within5": sum(1 for r in rows if r["evals_to"] is not None and r["evals_to"] <= 5) / len(rows),
+           "wall_s_median": statistics.median([r["wall_s"] for r in rows])}
+    for b in BUDGETS:
+        ratios = [r["best_at"][b] / r["best"] if r["best_at"][b] else 10.0 for r in rows]
+        out[f"gm_ratio@{b}"] = math.exp(statistics.fmean(math.log(x) for x in ratios))
+        out[f"share5@{b}"] = sum(1 for x in ratios if x <= 1.05) / len(rows)
+    return out
+
+
+def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, model: Path | None) -> dict:
+    proposer = None
+    if "llm" in strategies:
+        from tuner.llm import load_proposer
+
+        proposer = load_proposer(model)
+    per: dict[str, list[dict]] = {s: [] for s in strategies}
+    for case in cases:
+        space, table = case_space(case)
+        best = min(table.values())
+        compile_s = 0.35  # median recorded per-config compile time is read below when present
+        for name in strategies:
+            for seed in range(1 if name in ("llm", "opentuner") else seeds):  # llm is deterministic; opentuner slow
+                t0 = time.perf_counter()
+                try:
+                    if name == "llm":
+                        traj, model_s = run_llm(space, table, budget, seed, case.kernel, proposer)
+                    elif name in ("random", "anneal"):
+                        traj, model_s = run_builtin(name, space, table, budget, seed)
+                    elif name == "optuna-tpe":
+                        traj, model_s = run_optuna(space, table, budget, seed)
+                    elif name == "opentuner":
+                        traj, model_s = run_opentuner(space, table, budget, seed)
+                    elif name.startswith("kerneltuner-"):
+                        traj, model_s = run_kernel_tuner(space, table, budget, seed, name.split("-", 1)[1])
+                    else:
+                        raise ValueError(name)
+                except Exception as e:  # a peer failing on one case must not sink the comparison
+                    print(f"  {name} failed on {case.kernel}/{case.workload}/{case.isa}: {type(e).__name__}: {e}",
+                          file=sys.stderr)
+                    traj, model_s = [], 0.0
+                host_s = time.perf_counter() - t0
+                e = evals_to(traj, best)
+                n_to = e if e is not None else len(traj)
+                per[name].append({
+                    "kernel": case.kernel, "isa": case.isa, "workload": case.workload, "seed": seed, "best": best,
+                    "evals_to": e, "best_at": {b: best_at(traj, b) for b in BUDGETS},
+                    "wall_s": n_to * (compile_s + MEASURE_S) + model_s, "host_s": host_s,
+                    "traj": traj})
+    return per
+
+
+# ---- real run ---------------------------------------------------------------------------------------------
+
+def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
+    from hwprobe import probe
+    from kernels.worker import Runner
+    from tuner.db import ResultsDB
+    from tuner.session import Budget, Session
+    from tuner.strategies import make_strategy
+
+    specs = all_specs()
+    native = probe(measure_bandwidth=False).isa
+    chosen = [c for c in cases if c.isa == native and not c.workload.startswith("synthetic.")][:n]
+    chosen += [c for c in cases if c.isa == native and c.workload.startswith("synthetic.")][: max(0, n - len(chosen))]
+    rows = []
+    with tempfile.TemporaryDirectory() as td, Runner() as runner:
+        os.environ["CACHE_DIRECTORY"] = str(Path(td) / "cache")  # cold build cache: compile time is real
+        db = ResultsDB(Path(td) / "bench.db")
+        hw = probe(measure_bandwidth=False)
+        sess = Session(db, runner, hw)
+        sess._ort_ms = lambda spec, wl: None  # the ONNX twin is not part of tuning time
+        for case in chosen:
+            spec = specs[case.kernel]
+            wl = next((w for w in spec.workloads if w.shape == case.shape), None)
+            if wl is None:
+                from kernels.spec import Workload
+
+                wl = Workload(case.workload, case.shape)
+            for name in strategies:
+                load = os.getloadavg()[0]
+                t0 = time.perf_counter()
+                res = sess.tune(spec, wl, strategy=name, force=True,
+                                budget=Budget(evals=20 if name != "llm" else 20, patience=15))
+                wall = time.perf_counter() - t0
+                rows.append({"kernel": case.kernel, "workload": case.workload, "strategy": name,
+                             "wall_s": wall, "evals": res.evals, "ms": res.ms, "best_known_ms": case.best_ms(),
+                             "ratio": res.ms / case.best_ms(), "speedup_vs_default": res.speedup, "load1": load})
+                print(f"  real {name:8s} {case.kernel}/{case.workload}: {wall:.2f}s, {res.evals} evals, "
+                      f"{res.ms:.4f} ms ({res.ms / case.best_ms():.2f}x best-known), load {load:.2f}", flush=True)
+    return rows
+
+
+def latency_and_rss(cases: list[D.Case], model: Path | None) -> dict:
+    """Proposal latency on the full spaces (the product path, 1 thread) and process RSS with the model loaded."""
+    import psutil
+
+    from tuner.llm import load_proposer
+
+    prop = load_proposer(model)
+    lat = []
+    for c in cases:
+        spec = all_specs()[c.kernel]
+        space = spec.space(c.shape, _HwView(c.hw))
+        prop.propose(c.kernel, space, 5)  # warm (grammar check cached, tokenizer cache)
+        lat.append(prop.propose(c.kernel, space, 5).latency_ms)
+    # RSS of a clean process on the product path (what `edgetune propose` / the tuner load), not this bench's
+    code = ("import psutil, resource; from tuner.llm import load_proposer; from hwprobe import probe; "
+            "from kernels.registry import get_spec; s = get_spec('gemm'); p = load_proposer(None); "
+            "p.propose('gemm', s.space(s.workloads[0].shape, probe(measure_bandwidth=False)), 5); "
+            "print(psutil.Process().memory_info().rss / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3)")
+    import subprocess
+
+    env = dict(os.environ, **({"EDGETUNE_MODEL": str(model)} if model else {}))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env).stdout.split()
+    return {"n": len(lat), "p50_ms": float(statistics.median(lat)),
+            "p95_ms": float(sorted(lat)[max(0, math.ceil(0.95 * len(lat)) - 1)]), "max_ms": max(lat),
+            # (ru_maxrss of a child is not usable here: Linux carries the forking parent's high-water mark over exec)
+            "rss_mb": float(out[0]) if out else float("nan"),
+            "bench_rss_mb": psutil.Process().memory_info().rss / 1e6, "load1": os.getloadavg()[0]}
+
+
+# ---- main -------------------------------------------------------------------------------------------------
+
+def available_peers() -> list[str]:
+    out = []
+    try:
+        import optuna  # noqa: F401
+
+        out.append("optuna-tpe")
+    except ImportError:
+        print("optuna not installed: skipping Optuna TPE (pip install -e '.[bench]')", file=sys.stderr)
+    try:
+        from opentuner.api import TuningRunManager  # noqa: F401
+
+        out.append("opentuner")
+    except Exception as e:
+        print(f"opentuner not usable ({type(e).__name__}: {e}): skipping it", file=sys.stderr)
+    try:
+        import kernel_tuner  # noqa: F401
+
+        out += ["kerneltuner-bayes_opt", "kerneltuner-genetic_algorithm", "kerneltuner-simulated_annealing"]
+    except ImportError:
+        print("kernel_tuner not installed: skipping Kernel Tuner", file=sys.stderr)
+    return out
+
+
+def print_table(summ: list[dict], budget: int) -> None:
+    hdr = ["strategy", "cases", "evals→5% med", "p90", "≤5 evals", "est. wall s", *(f"best@{b} gm/≤5%" for b in BUDGETS)]
+    rows = []
+    for s in summ:
+        rows.append([s["strategy"], str(s["cases"]), f"{s['median_evals']:.1f}",
+                     f"{s['p90_evals']}" + ("+" if s["p90_evals"] > budget else ""), f"{s['within5']:.0%}",
+                     f"{s['wall_s_median']:.2f}",
+                     *(f"{s[f'gm_ratio@{b}']:.3f} / {s[f'share5@{b}']:.0%}" for b in BUDGETS)])
+    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(hdr)]
+    print("  ".join(h.ljust(w[i]) for i, h in enumerate(hdr)))
+    for r in rows:
+        print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default=str(D.DEFAULT_DATA))
+    ap.add_argument("--model", help="GGUF (default: the bundled model)")
+    ap.add_argument("--budget", type=int, default=20)
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per stochastic strategy and case")
+    ap.add_argument("--strategies", default="llm,random,anneal,peers")
+    ap.add_argument("--real", type=int, default=0, help="also tune N held-out workloads for real")
+    ap.add_argument("--json", help="write all results to this file")
+    a = ap.parse_args(argv)
+    names = [s for s in a.strategies.split(",") if s != "peers"]
+    if "peers" in a.strategies.split(","):
+        names += available_peers()
+    cases = D.load_collector(Path(a.data))
+    _, held = D.split_cases(cases)
+    held.sort(key=lambda c: (c.kernel, c.isa, c.workload))
+    load0 = os.getloadavg()
+    print(f"{len(held)} held-out cases; strategies {', '.join(names)}; budget {a.budget}; load {load0[0]:.2f}",
+          flush=True)
+    if "llm" in names:
+        lr = latency_and_rss(held, Path(a.model) if a.model else None)
+        print(f"llm proposal latency over {lr['n']} held-out cases (full spaces, top-5, 1 thread): p50 "
+              f"{lr['p50_ms']:.1f} ms, p95 {lr['p95_ms']:.1f} ms, max {lr['max_ms']:.1f} ms; RSS of a process with the "
+              f"model loaded (after a proposal) {lr['rss_mb']:.0f} MB; "
+              f"load {lr['load1']:.2f}", flush=True)
+    t0 = time.time()
+    per = replay(held, names, a.budget, a.seeds, Path(a.model) if a.model else None)
+    summ = [summarise(n, per[n], a.budget) for n in names]
+    print(f"\nreplay over the recorded reference tables ({len(held)} held-out cases, budget {a.budget}, "
+          f"{a.seeds} seeds for stochastic strategies; {time.time() - t0:.0f}s, load {os.getloadavg()[0]:.2f}):")
+    print_table(summ, a.budget)
+    real = []
+    if a.real:
+        print(f"\nreal run on {a.real} held-out workloads (compile + measure + finalists):", flush=True)
+        real = real_run(held, ["llm", "anneal", "random"], a.real)
+        by: dict[str, list[dict]] = {}
+        for r in real:
+            by.setdefault(r["strategy"], []).append(r)
+        for n, rs in by.items():
+            print(f"  {n:8s} median wall {statistics.median(r['wall_s'] for r in rs):.2f}s  max "
+                  f"{max(r['wall_s'] for r in rs):.2f}s  median evals {statistics.median(r['evals'] for r in rs):.0f}"
+                  f"  within 5% of best-known {sum(1 for r in rs if r['ratio'] <= 1.05)}/{len(rs)}"
+                  f"  median ratio {statistics.median(r['ratio'] for r in rs):.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"summary": summ, "replay": per, "real": real}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The tuner model: the bundled GGUF as llama.cpp loads it, its tokenizer, its logits, the exact top-K search."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels.registry import all_specs
+from kernels.space import config_key
+from tuner.model.inference import LlamaModel, ModelError, check_gguf, default_model_path
+from tuner.model.prompt import completion_text, field_text, prompt_text
+from tuner.model.proposer import Proposer, grammar_values, partial_ok
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = default_model_path()
+CARD = MODEL.with_name(MODEL.name.replace(".Q8_0.gguf", ".card.json"))
+TOKENIZER = MODEL.with_name(MODEL.name.replace(".Q8_0.gguf", ".tokenizer.model"))
+
+
+@pytest.fixture(scope="module")
+def proposer():
+    return Proposer(path=MODEL)
+
+
+def _corpus(limit_cases: int = 400) -> list[str]:
+    """Prompts and completions as the model sees them, from the committed dataset."""
+    from tuner.train import data as D
+
+    cases = D.load_collector(D.DEFAULT_DATA)
+    specs = all_specs()
+    out = []
+    for c in list(cases.values())[:limit_cases]:
+        out.append(prompt_text(c.kernel, c.shape, c.hw))
+        names = [p.name for p in specs[c.kernel].params]
+        for cfg, _ in c.ranked()[:3]:
+            out.append(completion_text(cfg, names))
+            out.append(prompt_text(c.kernel, c.shape, c.hw) + completion_text(cfg, names))
+    return out
+
+
+def test_bundled_model_file_card_and_quantization():
+    info = check_gguf(MODEL)
+    assert info.size <= 5 * 1024 * 1024
+    assert info.meta["general.architecture"] == "llama"
+    assert info.meta["tokenizer.ggml.model"] == "llama" and info.meta["tokenizer.ggml.add_space_prefix"] is False
+    q8 = [n for n, (dims, t) in info.tensors.items() if t == 8]
+    mats = [n for n, (dims, t) in info.tensors.items() if len(dims) == 2]
+    assert set(q8) == set(mats), "every matrix is Q8_0"
+    assert all(info.tensors[n][0][0] % 32 == 0 for n in mats)  # rows are whole Q8_0 blocks
+    card = json.loads(CARD.read_text())
+    assert card["sha256"] == info.sha256 and card["version"] == info.model_version
+    for k in ("dataset_sha256", "training", "heldout", "agreement"):
+        assert card[k]
+    assert set(json.loads(info.meta["edgetune.spaces"])) == set(all_specs())
+
+
+def test_llama_cpp_tokenises_the_corpus_exactly_like_sentencepiece():
+    spm = pytest.importorskip("sentencepiece")
+    sp = spm.SentencePieceProcessor(model_file=str(TOKENIZER))
+    lm = LlamaModel(MODEL, n_seq_max=2)
+    corpus = _corpus()
+    corpus += ["".join(field_text(p.name, v) for p in s.params for v in p.values) for s in all_specs().values()]
+    corpus += ["gemm M 99999 ^17 N 3 ^2 K 12345 ^13 | x86-64-v3 v256 L1 32K L2 1M L3 8M c4 bw7 ;"]
+    assert len(corpus) > 500
+    bad = [t for t in corpus if sp.encode(t) != lm.tokenize(t)]
+    assert not bad, f"{len(bad)} lines differ, e.g. {bad[0]!r}"
+    lm.close()
+
+
+def test_torch_and_llama_cpp_logits_agree_on_the_shipped_model():
+    torch = pytest.importorskip("torch")
+    gguf = pytest.importorskip("gguf")
+    from tuner.train.model import Config, TinyLlama
+
+    r = gguf.GGUFReader(str(MODEL))
+    ten = {t.name: torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+        [int(d) for d in reversed(t.shape)]).astype(np.float32)) for t in r.tensors}
+    info = check_gguf(MODEL)
+    arch = json.loads(info.meta["edgetune.training"])["arch"]
+    m = TinyLlama(Config(**arch))
+    sd = {"tok.weight": ten["token_embd.weight"], "norm.weight": ten["output_norm.weight"]}
+    names = {"attn_norm": "attn_norm.weight", "attn_q": "wq.weight", "attn_k": "wk.weight", "attn_v": "wv.weight",
+             "attn_output": "wo.weight", "ffn_norm": "ffn_norm.weight", "ffn_gate": "w_gate.weight",
+             "ffn_up": "w_up.weight", "ffn_down": "w_down.weight"}
+    for i in range(arch["layers"]):
+        for g, t in names.items():
+            sd[f"blocks.{i}.{t}"] = ten[f"blk.{i}.{g}.weight"]
+    m.load_state_dict(sd)
+    m.eval()
+    lm = LlamaModel(MODEL, n_seq_max=2)
+    worst, agree, total = 0.0, 0, 0
+    for text in _corpus(12)[1::3][:8]:
+        toks = [lm.bos] + lm.tokenize(text)
+        with torch.no_grad():
+            a = m(torch.tensor([toks]))[0].numpy()
+        b = lm.logits(toks)
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(toks)
+    lm.close()
+    assert worst < 0.05, worst  # llama.cpp also quantizes activations to 8 bits in Q8_0 matmuls
+    assert agree / total >= 0.97
+
+
+def test_export_f16_matches_torch_tightly(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from tuner.train.gguf_export import quantize_q8_0, write_f16
+    from tuner.train.model import Config, TinyLlama
+    from tuner.train.train import spaces_meta
+    from tuner.model.inference import PROMPT_FORMAT
+
+    torch.manual_seed(1)
+    proto = TOKENIZER.read_bytes()
+    import sentencepiece as spm
+
+    n = spm.SentencePieceProcessor(model_proto=proto).get_piece_size()
+    m = TinyLlama(Config(vocab=n, dim=256, layers=2, heads=4, ffn=768))
+    f16, q8 = tmp_path / "m.f16.gguf", tmp_path / "m.Q8_0.gguf"
+    write_f16(m, proto, f16, {"version": "t", "prompt_format": PROMPT_FORMAT, "spaces": spaces_meta()})
+    quantize_q8_0(f16, q8)
+    assert q8.stat().st_size < 0.6 * f16.stat().st_size
+    toks = [1] + LlamaModel(f16, n_seq_max=2).tokenize(_corpus(1)[0])
+    with torch.no_grad():
+        a = m(torch.tensor([toks]))[0].numpy()
+    for path, tol in ((f16, 2e-3), (q8, 3e-2)):
+        lm = LlamaModel(path, n_seq_max=2)
+        b = lm.logits(toks)
+        assert np.abs(a - b).max() / np.abs(a).max() < tol, path
+        lm.close()
+
+
+def _reference_scores(lm: LlamaModel, kernel: str, space) -> dict[str, float]:
+    """Every valid config's log-prob by brute force: full recompute per prefix, no KV reuse, no best-first."""
+    fields = grammar_values(space)
+    prompt = [lm.bos] + lm.tokenize(prompt_text(kernel, space.shape, space.hw))
+
+    def lsm(x):
+        x = x.astype(np.float64)
+        return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+    out = {}
+
+    def walk(cfg: dict, toks: list[int], score: float) -> None:
+        d = len(cfg)
+        if d == len(fields):
+            if space.is_valid(cfg):
+                out[config_key(cfg)] = score
+            return
+        name, values = fields[d]
+        cands = []
+        for v in values:
+            c = dict(cfg)
+            c[name] = v
+            if partial_ok(space, c):
+                vt = lm.tokenize(field_text(name, v))
+                logits = lm.logits(prompt + toks + vt)
+                base = len(prompt) + len(toks) - 1
+                s = sum(lsm(logits[base + j])[t] for j, t in enumerate(vt))
+                cands.append((v, vt, s))
+        if not cands:
+            return
+        sc = np.array([s for *_, s in cands])
+        z = sc.max() + math.log(np.exp(sc - sc.max()).sum())
+        for v, vt, s in cands:
+            walk({**cfg, name: v}, toks + vt, score + s - z)
+
+    walk({}, [], 0.0)
+    return out
+
+
+def test_best_first_search_is_exact(proposer):
+    from hwprobe import probe
+
+    hw = probe(isa_cap="x86-64-v2", measure_bandwidth=False)
+    spec = all_specs()["gru"]
+    space = spec.space(spec.workloads[1].shape, hw)
+    ref = _reference_scores(proposer.m, "gru", space)
+    assert len(ref) == space.size()
+    top = sorted(ref.items(), key=lambda kv: -kv[1])[:8]
+    res = proposer.propose("gru", space, 8)
+    got = [(config_key(p.config), p.logprob) for p in res.proposals]
+    # the i-th proposal is the i-th best config by brute force, up to float noise between batched and
+    # unbatched decoding (Q8_0 matmuls quantize activations per batch row)
+    for i, (k, lp) in enumerate(got):
+        assert ref[k] == pytest.approx(top[i][1], abs=1e-2)
+        assert lp == pytest.approx(ref[k], abs=1e-2)
+    assert sum(1 for (k, _), (rk, _) in zip(got, top) if k == rk) >= 6
+    assert math.fsum(math.exp(v) for v in ref.values()) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_proposals_valid_distinct_and_ranked(proposer, hw):
+    for name, spec in all_specs().items():
+        for wl in spec.workloads:
+            space = spec.space(wl.shape, hw)
+            res = proposer.propose(name, space, 5)
+            keys = [config_key(p.config) for p in res.proposals]
+            assert len(res.proposals) == 5 and len(set(keys)) == 5
+            assert all(space.is_valid(p.config) for p in res.proposals)
+            assert [p.logprob for p in res.proposals] == sorted((p.logprob for p in res.proposals), reverse=True)
+            assert res.latency_ms > 0  # speed itself is measured in bench/compare_tuners.py, not here
+
+
+def test_constraints_prune_the_search(proposer, hw):
+    spec = all_specs()["gemm"]
+    space = spec.space({"M": 64, "N": 64, "K": 8}, hw)  # kc <= 32 only; mr*nv <= 16
+    res = proposer.propose("gemm", space, 10)
+    assert all(p.config["kc"] == 32 and p.config["mr"] * p.config["nv"] <= 16 for p in res.proposals)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty", "text"])
+def test_corrupt_model_files_are_clear_errors(tmp_path, damage):
+    bad = tmp_path / f"{damage}.Q8_0.gguf"
+    data = MODEL.read_bytes()
+    bad.write_bytes({"truncated": data[: len(data) // 2], "random": os.urandom(len(data)), "empty": b"",
+                     "text": b"not a model\n"}[damage])
+    with pytest.raises(ModelError, match=str(bad)):
+        LlamaModel(bad)
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelError, match="not found"):
+        check_gguf(tmp_path / "nope.gguf")
+
+
+def test_propose_cli(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "edgetune.main", "propose", "conv1d", "--shape",
+                        "T=100,Cin=64,Cout=64,K=3,stride=1", "-k", "3", "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert len(d["proposals"]) == 3 and d["workload"] == "custom.T100-Cin64-Cout64-K3-stride1"
+    assert d["model"]["sha256"] == check_gguf(MODEL).sha256 and d["latency_ms"] > 0
+    bad = subprocess.run([sys.executable, "-m", "edgetune.main", "propose", "gemm", "-k", "2"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "workload" in bad.stderr

@@ -1,0 +1,396 @@
+"""Tuning-run dataset collector: the training data of the tuner model (`python -m tuner.collect`).
+
+For every bundled kernel and every ISA cap (x86-64-v2/v3/v4 by default) it
+
+1. picks the kernel's shapes: its bundled workloads plus seeded synthetic shapes spanning edge ranges
+   (`--shapes` per kernel in all), and marks a seeded subset per kernel as *held out* (never trained on);
+2. samples a seeded set of configs (`--configs`, plus the default) that are valid for at least one shape,
+   compiles each once for that ISA (content-hashed .so, so a restart recompiles nothing) and
+3. measures every config on every shape it is valid for, in one recycled worker per (kernel, ISA);
+4. for each held-out case, refines the best sampled config with a short annealing run (`--refine` evals),
+   so the case has a best-known reference.
+
+Every measurement is one JSON line appended to the output and fsynced: a kill loses at most the
+measurement in flight, and rerunning the same command resumes (finished measurements are skipped).
+Each line carries the full stats (every rep's wall time, CV, estimator, context switches) and the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from kernels.build import CompileError, build_many
+from kernels.measure import Measurement
+from kernels.registry import all_specs
+from kernels.space import Config, config_key
+from kernels.spec import KernelSpec
+from kernels.worker import Runner
+
+ISAS = ("x86-64-v4", "x86-64-v3", "x86-64-v2")
+FORMAT = "edgetune-runs-1"
+
+
+def shape_key(shape: dict) -> str:
+    return ",".join(f"{k}={shape[k]}" for k in shape)
+
+
+# ---- shapes ------------------------------------------------------------------------------------------------
+
+def _logu(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def _round(v: int, m: int) -> int:
+    return max(m, int(round(v / m)) * m)
+
+
+def _synthetic(spec: KernelSpec, rng: random.Random) -> dict:
+    n = spec.name
+    if n == "gemm":
+        return {"M": rng.choice([1, 16, _logu(rng, 8, 4096), _logu(rng, 49, 3136), _logu(rng, 49, 3136)]),
+                "N": _round(_logu(rng, 8, 512), rng.choice([4, 8, 16])), "K": _round(_logu(rng, 8, 1024), 8)}
+    if n == "conv2d_3x3":
+        hw_ = _logu(rng, 7, 112)
+        return {"H": hw_, "W": rng.choice([hw_, _logu(rng, 5, 112)]), "Cin": rng.choice([1, 3, _round(_logu(rng, 8, 256), 8)]),
+                "Cout": _round(_logu(rng, 8, 256), 8), "stride": rng.choice([1, 1, 2])}
+    if n == "dwconv_3x3":
+        hw_ = _logu(rng, 5, 112)
+        return {"H": hw_, "W": rng.choice([hw_, _logu(rng, 5, 112)]), "C": _round(_logu(rng, 8, 576), 8),
+                "stride": rng.choice([1, 1, 2])}
+    if n == "logmel":
+        n_fft = rng.choice([256, 512, 1024])
+        return {"samples": rng.choice([4000, 8000, 16000, 24000, 32000, 48000]), "n_fft": n_fft,
+                "hop": _round(_logu(rng, 64, n_fft), 16), "mels": rng.choice([20, 32, 40, 64, 80, 128])}
+    if n == "conv1d":
+        return {"T": _logu(rng, 16, 400), "Cin": _round(_logu(rng, 8, 512), 8), "Cout": _round(_logu(rng, 8, 512), 4),
+                "K": rng.choice([1, 3, 3, 5, 7, 9]), "stride": rng.choice([1, 1, 2])}
+    if n == "gru":
+        return {"T": _logu(rng, 10, 200), "I": _round(_logu(rng, 16, 256), 8), "H": _round(_logu(rng, 16, 256), 8)}
+    raise ValueError(f"no synthetic shape generator for kernel {n}")
+
+
+def kernel_shapes(spec: KernelSpec, total: int, heldout: int, seed: int = 0,
+                  max_mflop: float = 40.0) -> list[tuple[str, dict, str]]:
+    """(name, shape, split) for a kernel: its bundled workloads plus synthetic ones, `heldout` of them held out.
+
+    The held-out set is one bundled workload (a real layer) plus synthetic shapes, chosen by a seeded rng.
+    """
+    rng = random.Random(f"shapes-{spec.name}-{seed}")
+    out = [(w.name, dict(w.shape)) for w in spec.workloads]
+    seen = {shape_key(s) for _, s in out}
+    tries = 0
+    while len(out) < total and tries < 10_000:
+        tries += 1
+        try:
+            s = spec.validate_shape(_synthetic(spec, rng))
+        except Exception:
+            continue
+        if spec.flops(s) / 1e6 > max_mflop or shape_key(s) in seen:
+            continue
+        seen.add(shape_key(s))
+        out.append(("synthetic." + "-".join(f"{d.name}{s[d.name]}" for d in spec.dims), s))
+    n_bundled = len(spec.workloads)
+    held = {rng.randrange(n_bundled)}
+    synth = list(range(n_bundled, len(out)))
+    rng.shuffle(synth)
+    held.update(synth[: max(0, heldout - 1)])
+    return [(name, s, "heldout" if i in held else "train") for i, (name, s) in enumerate(out)]
+
+
+def sample_configs(spec: KernelSpec, shapes: list[dict], hw: Any, n: int, seed: int = 0) -> list[Config]:
+    """The default plus n seeded configs, each valid for at least one of the shapes on this hw."""
+    rng = random.Random(f"configs-{spec.name}-{hw.isa}-{seed}")
+    spaces = [spec.space(s, hw) for s in shapes]
+    out: list[Config] = []
+    seen: set[str] = set()
+    for sp in spaces:  # each shape's (possibly nudged) default first
+        d = sp.valid_default()
+        if config_key(d) not in seen:
+            seen.add(config_key(d))
+            out.append(d)
+    target = len(out) + n
+    for _ in range(n * 500):
+        if len(out) >= target:
+            break
+        cfg = {p.name: rng.choice(p.values) for p in spec.params}
+        k = config_key(cfg)
+        if k in seen or not any(sp.is_valid(cfg) for sp in spaces):
+            continue
+        seen.add(k)
+        out.append(cfg)
+    return out
+
+
+# ---- output ------------------------------------------------------------------------------------------------
+
+class Journal:
+    """Append-only JSONL with an fsync per line; reading tolerates a torn last line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.done: set[tuple] = set()
+        self.rows: list[dict] = []
+        if path.exists():
+            for row in read_rows(path):
+                self.rows.append(row)
+                if row.get("kind") == "m":
+                    self.done.add(self._key(row))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, "a")
+
+    @staticmethod
+    def _key(row: dict) -> tuple:
+        return (row["kernel"], row["isa"], row["shape_key"], row["config_key"])
+
+    def append(self, row: dict) -> None:
+        self.f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.rows.append(row)
+        if row.get("kind") == "m":
+            self.done.add(self._key(row))
+
+
+def read_rows(path: Path) -> Iterator[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:  # torn last line of a killed run
+                continue
+
+
+def hw_summary(hw: Any) -> dict:
+    """The descriptor fields the model's prompt uses (stable across runs on this machine)."""
+    return {"isa": hw.isa, "vector_bits": hw.vector_bits, "cores": hw.cores, "arch": hw.arch,
+            "l1d": hw.cache_bytes(1), "l2": hw.cache_bytes(2), "l3": hw.cache_bytes(3),
+            "bandwidth_gbps": hw.bandwidth_gbps, "cpu_model": hw.cpu_model, "compiler": hw.compiler.id,
+            "hw_fingerprint": hw.hw_fingerprint, "march": hw.march}
+
+
+# ---- collection --------------------------------------------------------------------------------------------
+
+def _measure_row(spec: KernelSpec, isa: str, name: str, shape: dict, split: str, cfg: Config, m: Measurement,
+                 phase: str, compile_s: float | None) -> dict:
+    return {"kind": "m", "kernel": spec.name, "isa": isa, "workload": name, "shape": shape,
+            "shape_key": shape_key(shape), "split": split, "phase": phase, "config": cfg,
+            "config_key": config_key(cfg), "ok": m.ok, "reason": m.reason, "ms": m.ms, "cv": m.cv, "reps": m.reps,
+            "reps_used": m.reps_used, "estimator": m.estimator, "cpu_ms": m.cpu_ms, "nivcsw": m.nivcsw,
+            "max_abs_err": m.max_abs_err, "load1": m.load1, "loadavg": list(os.getloadavg()),
+            "wall_ms": [round(w, 6) for w in m.wall_ms], "compile_s": compile_s, "ts": round(time.time(), 3)}
+
+
+def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_shapes: int, n_heldout: int,
+            refine: int, min_time_s: float, max_reps: int, seed: int, dry_run: bool = False) -> None:
+    from hwprobe import probe
+
+    j = Journal(out)
+    specs = [s for n, s in all_specs().items() if not kernels or n in kernels]
+    bw = None
+    for r in j.rows:
+        if r.get("kind") == "hw" and r["hw"].get("bandwidth_gbps"):
+            bw = r["hw"]["bandwidth_gbps"]
+    if bw is None and not dry_run:
+        bw = probe(measure_bandwidth=True).bandwidth_gbps
+    have_hw = {r["hw"]["isa"] for r in j.rows if r.get("kind") == "hw"}
+    t_start = time.time()
+    total_planned = 0
+    for isa in isas:
+        hw = probe(isa_cap=isa, measure_bandwidth=False)
+        summary = hw_summary(hw) | {"bandwidth_gbps": bw}
+        if isa not in have_hw and not dry_run:
+            j.append({"kind": "hw", "format": FORMAT, "hw": summary, "ts": time.time()})
+        for spec in specs:
+            shapes = kernel_shapes(spec, n_shapes, n_heldout, seed)
+            cfgs = sample_configs(spec, [s for _, s, _ in shapes], hw, n_configs, seed)
+            plan = [(name, s, split, c) for name, s, split in shapes for c in cfgs if spec.space(s, hw).is_valid(c)]
+            todo = [p for p in plan if (spec.name, isa, shape_key(p[1]), config_key(p[3])) not in j.done]
+            total_planned += len(plan)
+            print(f"[{time.strftime('%H:%M:%S')}] {spec.name} {isa}: {len(shapes)} shapes, {len(cfgs)} configs, "
+                  f"{len(plan)} measurements ({len(todo)} to do), load {os.getloadavg()[0]:.2f}", flush=True)
+            if dry_run or not todo:
+                continue
+            t = time.time()
+            needed = list({config_key(c): c for *_, c in todo}.values())
+            builds = dict(zip((config_key(c) for c in needed), build_many(spec, needed, hw)))
+            compile_s = (time.time() - t) / max(1, len(needed))
+            print(f"    compiled {len(needed)} in {time.time() - t:.1f}s", flush=True)
+            t = time.time()
+            with Runner(recycle_after=10**9) as runner:
+                for name, s, split, c in todo:  # shape-major: each shape's reference is computed once
+                    b = builds[config_key(c)]
+                    if isinstance(b, CompileError):
+                        m = Measurement.failed(f"compile error: {b}")
+                    else:
+                        m = runner.measure(spec, s, b.path, min_time_s=min_time_s, max_reps=max_reps, timeout_s=20)
+                    phase = "default" if c == spec.space(s, hw).valid_default() else "sample"
+                    j.append(_measure_row(spec, isa, name, s, split, c, m, phase, compile_s))
+            print(f"    measured {len(todo)} in {time.time() - t:.1f}s "
+                  f"({(time.time() - t) / len(todo) * 1e3:.0f} ms each), load {os.getloadavg()[0]:.2f}", flush=True)
+    if dry_run:
+        print(f"planned measurements: {total_planned}")
+        return
+    if refine > 0:
+        refine_heldout(j, specs, isas, refine, min_time_s, max_reps, seed)
+    print(f"done in {time.time() - t_start:.0f}s; {sum(1 for r in j.rows if r.get('kind') == 'm')} measurements")
+
+
+def refine_heldout(j: Journal, specs: list[KernelSpec], isas: list[str], evals: int, min_time_s: float,
+                   max_reps: int, seed: int) -> None:
+    """Best-known references: anneal from each held-out case's best sampled config for `evals` more configs."""
+    from hwprobe import probe
+    from tuner.strategies import Anneal
+
+    for isa in isas:
+        hw = probe(isa_cap=isa, measure_bandwidth=False)
+        for spec in specs:
+            cases: dict[str, list[dict]] = {}
+            for r in j.rows:
+                if r.get("kind") == "m" and r["kernel"] == spec.name and r["isa"] == isa and r["split"] == "heldout":
+                    cases.setdefault(r["shape_key"], []).append(r)
+            with Runner(recycle_after=10**9) as runner:
+                for sk, rows in cases.items():
+                    done_refine = sum(1 for r in rows if r["phase"] == "refine")
+                    if done_refine >= evals:
+                        continue
+                    shape, name = rows[0]["shape"], rows[0]["workload"]
+                    space = spec.space(shape, hw)
+                    strat = Anneal(space, seed=seed, t0=0.02)
+                    # replay everything measured so far (sample first, then earlier refinement), best last
+                    ok = sorted((r for r in rows if r["ok"]), key=lambda r: -r["ms"])
+                    for r in [r for r in rows if not r["ok"]] + ok:
+                        strat.tell(r["config"], Measurement(ok=r["ok"], ms=r["ms"], reason=r["reason"] or ""))
+                    strat.current = strat.best  # start at the best sampled config
+                    n = done_refine
+                    t = time.time()
+                    while n < evals:
+                        asked = strat.ask(min(2, evals - n))
+                        if not asked:
+                            break
+                        for c, b in zip(asked, build_many(spec, asked, hw)):
+                            m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError) else
+                                 runner.measure(spec, shape, b.path, min_time_s=min_time_s, max_reps=max_reps,
+                                                timeout_s=20))
+                            strat.tell(c, m)
+                            j.append(_measure_row(spec, isa, name, shape, "heldout", c, m, "refine", None))
+                            n += 1
+                    print(f"[{time.strftime('%H:%M:%S')}] refine {spec.name} {isa} {name}: {n} evals in "
+                          f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def data_card(path: Path) -> str:
+    """The data card (markdown) of a collector journal: how, where, under what load, how much."""
+    import statistics as st
+
+    rows = list(read_rows(path))
+    hws = [r["hw"] for r in rows if r.get("kind") == "hw"]
+    ms = [r for r in rows if r.get("kind") == "m"]
+    ok = [r for r in ms if r["ok"]]
+    loads = sorted(r["load1"] for r in ms if r.get("load1") is not None)
+    ts = [r["ts"] for r in ms]
+    by: dict[tuple, dict] = {}
+    for r in ms:
+        d = by.setdefault((r["kernel"], r["isa"]), {"rows": 0, "ok": 0, "shapes": set(), "held": set(), "cfgs": set(),
+                                                   "refine": 0})
+        d["rows"] += 1
+        d["ok"] += r["ok"]
+        d["shapes"].add(r["shape_key"])
+        d["cfgs"].add(r["config_key"])
+        d["refine"] += r["phase"] == "refine"
+        if r["split"] == "heldout":
+            d["held"].add(r["shape_key"])
+    fails: dict[str, int] = {}
+    for r in ms:
+        if not r["ok"]:
+            why = (r["reason"] or "?").split(":")[0]
+            fails[why] = fails.get(why, 0) + 1
+    h = hws[0] if hws else {}
+    q = lambda p: loads[min(len(loads) - 1, int(p * len(loads)))] if loads else float("nan")  # noqa: E731
+    lines = [
+        "# Data card: edgetune tuning runs", "",
+        f"File: `{path.name}` ({path.stat().st_size / 1e6:.1f} MB), sha256 `{dataset_hash(path)[:16]}…`. "
+        "One JSON object per line: `kind=hw` lines hold the hardware descriptor of each ISA cap, `kind=m` lines one "
+        "measurement each.", "",
+        "## How it was collected", "",
+        "`python -m tuner.collect` (tuner/collect.py; resumable: an fsynced JSONL journal, a rerun skips finished "
+        "measurements). For every bundled kernel and each ISA cap x86-64-v4 / v3 / v2 (AVX-512 / AVX2 / SSE4.2 via "
+        "`-march`; the descriptor's ISA and vector bits change with the cap): the kernel's bundled workloads plus "
+        "seeded synthetic shapes spanning edge ranges (22 per kernel; synthetic shapes capped at 40 MFLOP); the "
+        "shapes' defaults plus a seeded sample of 80 configs valid for at least one shape, each compiled once per "
+        "ISA and measured on every shape it is valid for (worker subprocess, correctness checked against the numpy "
+        "reference before timing; min_time 0.02 s, at most 15 reps, estimator = median of reps without involuntary "
+        "context switches). Every line keeps all rep times, CV, reps used, estimator, thread-CPU ms, context "
+        "switches and the load average at that moment.", "",
+        "Split by shape: 4 shapes per kernel (one bundled workload + 3 synthetic, seeded) are held out and never "
+        "trained on (`split=heldout`). Each held-out case (kernel, ISA, shape) also got a 10-eval annealing "
+        "refinement from its best sampled config (`phase=refine`): its best-known reference is the best of the "
+        "sample, the defaults and that refinement (the spaces, up to 3,312 configs, are too large to measure "
+        "exhaustively in the time available).", "",
+        "## Machine", "",
+        f"- CPU: {h.get('cpu_model')} ({h.get('arch')}), {h.get('cores')} usable cores (shared with other jobs)",
+        f"- caches: L1d {h.get('l1d')} B, L2 {h.get('l2')} B, L3 {h.get('l3')} B; bandwidth {h.get('bandwidth_gbps')} "
+        f"GB/s (measured); compiler {h.get('compiler')}",
+        f"- ISA caps: {', '.join(x['isa'] + ' (' + str(x['vector_bits']) + '-bit)' for x in hws)}", "",
+        "## Load during collection", "",
+        f"1-minute load average over the {len(ms)} measurements: median {q(0.5):.2f}, p10 {q(0.1):.2f}, "
+        f"p90 {q(0.9):.2f}, max {loads[-1] if loads else float('nan'):.2f} on 2 cores. The machine was shared "
+        "with other engineers' test runs, so timings are noisy (see `cv` and `load1` per line); a config's rank "
+        "within a shape is more reliable than its absolute time.",
+        f"Wall time: {(max(ts) - min(ts)) / 60:.0f} min ({time.strftime('%Y-%m-%d %H:%M', time.gmtime(min(ts)))} "
+        f"to {time.strftime('%H:%M UTC', time.gmtime(max(ts)))}).", "",
+        "## Counts", "",
+        f"{len(ms)} measurements ({len(ok)} ok, {len(ms) - len(ok)} failed: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(fails.items(), key=lambda kv: -kv[1])) + ").", "",
+        "| kernel | ISA | shapes | held-out | configs | rows | ok | refine |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (k, isa), d in sorted(by.items()):
+        lines.append(f"| {k} | {isa} | {len(d['shapes'])} | {len(d['held'])} | {len(d['cfgs'])} | {d['rows']} | "
+                     f"{d['ok']} | {d['refine']} |")
+    cases = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms}
+    held = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms if r["split"] == "heldout"}
+    lines += ["", f"{len(cases)} cases (kernel x ISA x shape): {len(cases) - len(held)} train, {len(held)} held-out.",
+              f"Median CV of ok measurements: {st.median(r['cv'] for r in ok if r['cv'] is not None):.3f}.", ""]
+    return "\n".join(lines)
+
+
+def dataset_hash(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tuner.collect", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="quantized_models/data/runs.jsonl", help="JSONL journal (appended, resumable)")
+    ap.add_argument("--kernel", action="append", help="only these kernels (default: all bundled)")
+    ap.add_argument("--isa", action="append", help=f"ISA caps (default: {', '.join(ISAS)})")
+    ap.add_argument("--configs", type=int, default=80, help="sampled configs per kernel and ISA (plus defaults)")
+    ap.add_argument("--shapes", type=int, default=22, help="shapes per kernel, bundled workloads included")
+    ap.add_argument("--heldout", type=int, default=4, help="held-out shapes per kernel")
+    ap.add_argument("--refine", type=int, default=10, help="annealing evals per held-out case for the reference")
+    ap.add_argument("--min-time", type=float, default=0.02, help="timing budget per measurement, seconds")
+    ap.add_argument("--max-reps", type=int, default=15)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (measurement counts) only")
+    ap.add_argument("--card", metavar="DATA", help="print the data card of a journal (.jsonl or .jsonl.gz) and exit")
+    a = ap.parse_args(argv)
+    if a.card:
+        print(data_card(Path(a.card)))
+        return 0
+    collect(Path(a.out), a.kernel or [], a.isa or list(ISAS), a.configs, a.shapes, a.heldout, a.refine,
+            a.min_time, a.max_reps, a.seed, a.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Verbs `propose` (the tuner model's ranked configs for a workload) and `train` (retrain from records)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+from edgetune.errors import BadInput, EdgetuneError
+from edgetune.output import emit, fmt, json_flag, table
+from kernels.registry import get_spec
+from kernels.space import format_config
+from kernels.workloads import resolve
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("propose", help="the tuner model's top-K configs for a kernel workload (no measuring)")
+    p.add_argument("kernel")
+    p.add_argument("--workload", help="a bundled workload name")
+    p.add_argument("--shape", help="a custom shape, e.g. M=196,N=576,K=96")
+    p.add_argument("-k", type=int, default=5, help="how many configs (default 5)")
+    p.add_argument("--isa", help="cap the ISA, e.g. x86-64-v3")
+    p.add_argument("--model", help="GGUF model file (default: the bundled one, or $EDGETUNE_MODEL)")
+    json_flag(p)
+    p.set_defaults(func=cmd_propose)
+
+    p = sub.add_parser("train", help="retrain the tuner model from tuning records (needs the [train] extra)")
+    p.add_argument("--records", action="append", required=True, metavar="PATH",
+                   help="a results DB (results.db) or a JSONL export of tuning records; repeatable")
+    p.add_argument("--data", action="append", metavar="PATH",
+                   help="collector data to train on as well (default: the committed dataset)")
+    p.add_argument("--no-base", action="store_true", help="train on the records only")
+    p.add_argument("--out", help="output dir (default: <state dir>/models)")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--max-minutes", type=float, default=30.0)
+    json_flag(p)
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_propose(args: argparse.Namespace) -> int:
+    if args.k <= 0:
+        raise BadInput(f"-k must be a positive number of configs, got {args.k}")
+    from hwprobe import probe
+    from tuner.llm import load_proposer
+    from tuner.model.inference import ModelError
+
+    spec = get_spec(args.kernel)
+    wl = resolve(spec, args.workload, args.shape)
+    hw = probe(isa_cap=args.isa, measure_bandwidth=False)
+    try:
+        prop = load_proposer(Path(args.model) if args.model else None)
+    except ModelError as e:
+        raise EdgetuneError(str(e))
+    res = prop.propose(spec.name, spec.space(wl.shape, hw), args.k)
+    out = {"kernel": spec.name, "workload": wl.name, "shape": wl.shape, "isa": hw.isa,
+           "model": {"path": str(prop.m.path), "version": prop.version, "sha256": prop.m.info.sha256},
+           "latency_ms": res.latency_ms, "expansions": res.expansions, "decodes": res.decodes,
+           "proposals": [{"rank": i + 1, "config": p.config, "logprob": p.logprob}
+                         for i, p in enumerate(res.proposals)]}
+
+    def render(d: dict) -> None:
+        table(f"{d['kernel']}/{d['workload']} on {d['isa']} (model {d['model']['version']}, "
+              f"{d['latency_ms']:.1f} ms)", ["#", "config", "log-prob", "prob"],
+              [[p["rank"], format_config(p["config"]), fmt(p["logprob"], 3), f"{2.718281828 ** p['logprob']:.1%}"]
+               for p in d["proposals"]])
+
+    emit(out, args.json, render)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        from tuner.train import data as D
+        from tuner.train.train import run
+    except ImportError as e:
+        raise EdgetuneError(f"training needs the [train] extra (torch, sentencepiece, gguf): {e}; "
+                            "install it with `pip install -e '.[train]'`")
+    from edgetune import paths
+
+    for r in args.records:
+        if not Path(r).exists():
+            raise BadInput(f"records file {r} not found")
+    out = Path(args.out) if args.out else paths.state_dir() / "models"
+    data = [Path(p) for p in args.data] if args.data else ([] if args.no_base else [D.DEFAULT_DATA])
+    t = time.time()
+    with contextlib.redirect_stdout(sys.stderr):  # progress goes to stderr; stdout stays the result (--json)
+        card = run([p for p in data if p.exists()], [Path(r) for r in args.records], out, dim=256, layers=2, heads=4,
+                   ffn=768, vocab=768, steps=args.steps, batch=16, lr=2e-3, top=10, tau=0.08, seed=0, threads=2,
+                   deadline_s=args.max_minutes * 60)
+    res = {"model": str(out / card["file"]), "version": card["version"], "bytes": card["bytes"],
+           "heldout": card["heldout"], "seconds": round(time.time() - t, 1)}
+    emit(res, args.json, lambda d: print(f"wrote {d['model']} (version {d['version']}, {d['bytes']} bytes) in "
+                                         f"{d['seconds']:.0f}s; use it with EDGETUNE_MODEL={d['model']}"))
+    return 0

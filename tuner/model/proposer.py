@@ -1,0 +1,257 @@
+"""Top-K configs from the tuner model: an exact best-first search over field values with KV prefix reuse.
+
+The completion is ` name=value` pairs in space order, so a config's log-probability is the sum over fields of
+log P(value | prompt, earlier fields). Each field's distribution is renormalised over the values the grammar
+admits that the constraints do not already rule out (a constraint is evaluated on a partial config through a
+dict that raises KeyError for unassigned knobs: an error means "undetermined", False prunes). Scores only fall
+as fields are added, so popping partial configs best-first yields the exact top-K complete ones, in order.
+
+KV reuse: the prompt is decoded once into sequence 0. Expanding a node copies its parent's KV sequence
+(`llama_memory_seq_cp`, no recompute) and decodes only the node's own value tokens; the first token of every
+candidate value is scored from the node's logits, and multi-token values get their remaining tokens decoded in
+the same batch, in throw-away sequences that share the node's tokens. Several frontier nodes are expanded per
+`llama_decode`, which keeps the search exact (complete configs are still only emitted from the top of the heap).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from kernels.space import Config, SearchSpace, config_key
+from tuner.grammar import export_grammar
+from tuner.model.inference import LlamaModel, ModelError, _Batch
+from tuner.model.prompt import field_text, prompt_text
+
+
+class _Partial(dict):
+    """A partial config: reading an unassigned knob raises KeyError (the constraint is undetermined)."""
+
+    def __missing__(self, key: str) -> Any:
+        raise KeyError(key)
+
+
+def partial_ok(space: SearchSpace, cfg: Mapping[str, Any], extra: Callable[[Config], bool | None] | None = None) -> bool:
+    p = _Partial(cfg)
+    for c in space.constraints:
+        try:
+            if not c.holds(p, space.shape, space.hw):
+                return False
+        except (KeyError, TypeError):
+            continue
+    if extra is not None and extra(p) is False:
+        return False
+    return True
+
+
+def grammar_values(space: SearchSpace) -> list[tuple[str, list[Any]]]:
+    """The (name, values) alternatives of the space's validated GBNF grammar, in order.
+
+    The grammar is validated by llama.cpp's own parser (tuner.grammar) before use; the values are read back from
+    it and mapped onto the space's typed values, so the search decodes exactly what the grammar admits.
+    """
+    g = export_grammar(space)
+    out = []
+    for p in space.params:
+        m = re.search(r'^k-' + re.escape(p.name.replace("_", "-").lower()) + r' ::= " ' + re.escape(p.name)
+                      + r'=" \((.*)\)$', g, re.M)
+        if not m:
+            raise ModelError(f"grammar has no rule for knob {p.name}")
+        texts = re.findall(r'"([^"]*)"', m.group(1))
+        by_text = {str(v): v for v in p.values}
+        out.append((p.name, [by_text[t] for t in texts if t in by_text]))
+    return out
+
+
+@dataclass(order=True)
+class _Node:
+    neg: float
+    tie: int
+    values: tuple = field(compare=False)  # assigned values, in field order
+    tokens: list[int] = field(compare=False, default_factory=list)  # all completion tokens so far
+    own: int = field(compare=False, default=0)  # how many trailing tokens belong to the last field
+    parent: "_Node | None" = field(compare=False, default=None)
+    seq: int | None = field(compare=False, default=None)  # KV sequence holding prompt + tokens
+    lp: np.ndarray | None = field(compare=False, default=None)  # log-softmax after the last token
+
+
+@dataclass
+class Proposal:
+    config: Config
+    logprob: float
+
+
+@dataclass
+class ProposeResult:
+    proposals: list[Proposal]
+    latency_ms: float
+    expansions: int
+    decodes: int
+    prompt: str
+
+    def entropy_hint(self) -> float:
+        """Probability mass of the top-1 relative to the top-K: near 1 when the model is sure."""
+        if not self.proposals:
+            return 0.0
+        ps = [math.exp(p.logprob) for p in self.proposals]
+        return ps[0] / sum(ps)
+
+
+class Proposer:
+    def __init__(self, model: LlamaModel | None = None, *, path=None, expand_per_decode: int = 8,
+                 max_expansions: int = 600):
+        self.m = model or LlamaModel(path)
+        self.expand_per_decode = expand_per_decode
+        self.max_expansions = max_expansions
+        self._free: list[int] = []
+        self._prompt_cache: tuple[str, int, np.ndarray] | None = None
+
+    @property
+    def version(self) -> str:
+        return self.m.version
+
+    def _alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def propose(self, kernel: str, space: SearchSpace, k: int = 5, *,
+                extra: Callable[[Config], bool | None] | None = None) -> ProposeResult:
+        """Top-k distinct valid configs, best first, each with its log-probability under the model.
+
+        `extra` is an additional predicate (e.g. "config is in the replay table"); it receives a partial config
+        that raises KeyError for unassigned knobs, like the space's own constraints.
+        """
+        t0 = time.perf_counter()
+        fields = grammar_values(space)
+        m = self.m
+        prompt = prompt_text(kernel, space.shape, space.hw)
+        ptoks = [m.bos] + m.tokenize(prompt)
+        m.clear()
+        b = _Batch()
+        for i, t in enumerate(ptoks):
+            b.add(t, i, [0], i == len(ptoks) - 1)
+        lp0 = m.decode(b)[len(ptoks) - 1]
+        n_prompt = len(ptoks)
+        self._free = list(range(m.n_seq_max - 1, 0, -1))
+        self._owners: dict[int, _Node] = {}
+        self._protected: set = set()
+        tie = itertools.count()
+        root = _Node(0.0, next(tie), (), [], 0, None, 0, lp0)
+        heap: list[_Node] = [root]
+        out: list[Proposal] = []
+        seen: set[str] = set()
+        expansions = decodes = 0
+        nf = len(fields)
+        names = [n for n, _ in fields]
+        while heap and len(out) < k and expansions < self.max_expansions:
+            if len(heap[0].values) == nf:  # a complete config at the top of the heap: exact next-best
+                node = heapq.heappop(heap)
+                cfg = dict(zip(names, node.values))
+                key = config_key(cfg)
+                if key not in seen and space.is_valid(cfg) and (extra is None or extra(_Partial(cfg)) is not False):
+                    seen.add(key)
+                    out.append(Proposal(cfg, -node.neg))
+                continue
+            batch_nodes = []
+            per = max(1, min(self.expand_per_decode, (m.n_seq_max - 1) // 3))  # room for nodes, parents, temps
+            while heap and len(batch_nodes) < per and len(heap[0].values) < nf:
+                batch_nodes.append(heapq.heappop(heap))
+            expansions += len(batch_nodes)
+            decodes += self._expand(batch_nodes, fields, space, extra, heap, tie, n_prompt, ptoks)
+        m.clear()
+        return ProposeResult(out, (time.perf_counter() - t0) * 1e3, expansions, decodes, prompt)
+
+    def _expand(self, nodes: list[_Node], fields, space: SearchSpace, extra, heap: list, tie, n_prompt: int,
+                ptoks: list[int]) -> int:
+        """Materialise each node's KV + logits, score every candidate value of its next field, push children."""
+        m = self.m
+        b = _Batch()
+        plans = []  # (node, [(value, toks, temp seq, batch idx of each prefix token)])
+        protected = {n.parent.seq for n in nodes if n.parent is not None} | {n.seq for n in nodes}
+        self._protected = protected
+        for node in nodes:
+            d = len(node.values)
+            name, values = fields[d]
+            cands = []
+            for v in values:
+                cfg = dict(zip([f for f, _ in fields[:d]], node.values))
+                cfg[name] = v
+                if partial_ok(space, cfg, extra):
+                    cands.append((v, m.tokenize(field_text(name, v))))
+            if not cands:
+                continue
+            need_kv = d + 1 < len(fields)  # children will be expanded later: they need their own KV
+            temps = [self._get() if len(toks) > 1 else None for _, toks in cands]
+            live_temps = [t for t in temps if t is not None]
+            own_idx = None
+            if node.lp is None:  # materialise the node: its KV sequence and the logits after its last token
+                src = node.parent.seq if node.parent is not None else None
+                node.seq = self._get()
+                self._owners[node.seq] = node
+                if src is None:  # the parent's sequence was recycled: rebuild from the prompt
+                    src, start, toks = 0, n_prompt, node.tokens
+                else:
+                    start, toks = n_prompt + len(node.tokens) - node.own, node.tokens[-node.own:]
+                for t in [node.seq] + live_temps:
+                    m.seq_rm(t)
+                    m.seq_cp(src, t)
+                    if src == 0:
+                        m.seq_rm(t, n_prompt)
+                for j, tk in enumerate(toks):
+                    own_idx = b.add(tk, start + j, [node.seq] + live_temps, j == len(toks) - 1)
+            else:
+                for t in live_temps:
+                    m.seq_rm(t)
+                    m.seq_cp(node.seq, t)
+            pos0 = n_prompt + len(node.tokens)
+            cand_idx = []
+            for (v, toks), t in zip(cands, temps):
+                idx = []
+                if t is not None:
+                    for j, tk in enumerate(toks[:-1]):
+                        idx.append(b.add(tk, pos0 + j, [t], True))
+                cand_idx.append(idx)
+            plans.append((node, cands, temps, cand_idx, own_idx, need_kv))
+        if not plans:
+            return 0
+        lps = m.decode(b) if b.tokens else {}
+        for node, cands, temps, cand_idx, own_idx, need_kv in plans:
+            if node.lp is None:
+                node.lp = lps[own_idx]
+            scores = []
+            for (v, toks), idx in zip(cands, cand_idx):
+                s = node.lp[toks[0]]
+                for j in range(1, len(toks)):
+                    s += lps[idx[j - 1]][toks[j]]
+                scores.append(s)
+            for t in temps:
+                if t is not None:
+                    m.seq_rm(t)
+                    self._free.append(t)
+            sc = np.array(scores)
+            z = sc.max() + math.log(np.exp(sc - sc.max()).sum())
+            for (v, toks), s in zip(cands, scores):
+                child = _Node(node.neg - (s - z), next(tie), node.values + (v,), node.tokens + toks, len(toks), node)
+                heapq.heappush(heap, child)
+        return 1
+
+    def _get(self) -> int:
+        """A free KV sequence; when none is left, recycle the one of the worst-scoring materialised node that this
+        batch does not use (its children rebuild from the prompt if they are ever expanded)."""
+        s = self._alloc()
+        if s is None:
+            victims = [n for q, n in self._owners.items() if q not in self._protected and n.seq == q]
+            if not victims:
+                raise ModelError("out of KV sequences")
+            v = max(victims, key=lambda n: n.neg)
+            s, v.seq = v.seq, None
+            del self._owners[s]
+            self.m.seq_rm(s)
+        self._protected.add(s)
+        return s

@@ -1,0 +1,1 @@
+"""Training the tuner model (torch, sentencepiece and gguf are imported only in this package)."""

@@ -1,0 +1,5 @@
+import sys
+
+from tuner.train.train import main
+
+sys.exit(main())

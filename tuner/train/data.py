@@ -1,0 +1,213 @@
+"""Training data: tuning measurements grouped into cases (kernel, ISA, shape), from any of three sources.
+
+- the collector's JSONL journal (`python -m tuner.collect`, committed as quantized_models/data/runs.jsonl.gz);
+- a results DB (`ResultsDB.iter_records()`: sessions with their measurements);
+- a JSONL export of such records (one session per line, as the fleet writes them).
+
+No torch here: the bench and the model card use it too.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from kernels.space import config_key
+from tuner.model.prompt import ISA_VECTOR_BITS
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "quantized_models" / "data" / "runs.jsonl.gz"
+
+
+@dataclass
+class Case:
+    kernel: str
+    isa: str
+    shape: dict
+    workload: str
+    split: str  # train | heldout
+    hw: dict
+    ms: dict[str, list[float]] = field(default_factory=dict)  # config_key -> measured ms (ok only)
+    configs: dict[str, dict] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    phases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple:
+        return (self.kernel, self.isa, json.dumps(self.shape, sort_keys=True))
+
+    def table(self) -> dict[str, float]:
+        """config_key -> median ms: the reference table of this case."""
+        return {k: statistics.median(v) for k, v in self.ms.items() if v}
+
+    def ranked(self) -> list[tuple[dict, float]]:
+        t = self.table()
+        return [(self.configs[k], ms) for k, ms in sorted(t.items(), key=lambda kv: kv[1])]
+
+    def best_ms(self) -> float:
+        return min(self.table().values())
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)
+
+
+def _rows(path: Path) -> Iterator[dict]:
+    with _open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def _local_hw(isa: str) -> dict:
+    """Descriptor fields for a record that carries none: this machine's, capped to the record's ISA."""
+    from hwprobe import probe
+
+    from tuner.collect import hw_summary
+
+    try:
+        return hw_summary(probe(isa_cap=isa, measure_bandwidth=False))
+    except Exception:
+        return {"isa": isa, "vector_bits": ISA_VECTOR_BITS.get(isa, 128), "cores": 1, "l1d": None, "l2": None,
+                "l3": None, "bandwidth_gbps": None}
+
+
+def load_collector(path: Path, cases: dict | None = None) -> dict[tuple, Case]:
+    cases = {} if cases is None else cases
+    hws: dict[str, dict] = {}
+    for r in _rows(path):
+        if r.get("kind") == "hw":
+            hws[r["hw"]["isa"]] = r["hw"]
+            continue
+        if r.get("kind") != "m":
+            continue
+        add_measurement(cases, r["kernel"], r["isa"], r["shape"], r["workload"], r["split"],
+                        hws.get(r["isa"]) or _local_hw(r["isa"]), r["config"], r["ok"], r.get("ms"), r.get("phase", ""))
+    return cases
+
+
+def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: str, split: str, hw: dict,
+                    cfg: dict, ok: bool, ms: float | None, phase: str = "") -> None:
+    key = (kernel, isa, json.dumps(shape, sort_keys=True))
+    c = cases.get(key)
+    if c is None:
+        c = cases[key] = Case(kernel, isa, dict(shape), workload, split, hw)
+    k = config_key(cfg)
+    c.configs.setdefault(k, dict(cfg))
+    c.phases.setdefault(k, phase)
+    if ok and ms and ms > 0 and math.isfinite(ms):
+        c.ms.setdefault(k, []).append(float(ms))
+    else:
+        c.failed.add(k)
+
+
+def iter_record_sources(path: Path) -> Iterable[dict]:
+    """Sessions from a results DB (SQLite) or a JSONL export of records."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(b"SQLite format 3"):
+        from tuner.db import ResultsDB
+
+        db = ResultsDB(path)
+        try:
+            yield from db.iter_records()
+        finally:
+            db.close()
+        return
+    yield from _rows(path)
+
+
+def load_records(path: Path, cases: dict | None = None, heldout_keys: set | None = None) -> tuple[dict, int]:
+    """Add every ok measurement of every session; returns (cases, sessions read). Held-out shapes are skipped."""
+    cases = {} if cases is None else cases
+    n = 0
+    hw_cache: dict[str, dict] = {}
+    for rec in iter_record_sources(path):
+        if "measurements" not in rec or "kernel" not in rec:
+            continue
+        n += 1
+        shape = rec["shape"] if isinstance(rec["shape"], dict) else json.loads(rec["shape"])
+        isa = rec.get("isa", "x86-64-v2")
+        key = (rec["kernel"], isa, json.dumps(shape, sort_keys=True))
+        if heldout_keys and key in heldout_keys:
+            continue
+        hw = rec.get("hw") or hw_cache.get(isa) or hw_cache.setdefault(isa, _local_hw(isa))
+        if isinstance(hw, dict) and "caches" in hw:  # a full HwDescriptor dict
+            from hwprobe.descriptor import HwDescriptor
+
+            from tuner.collect import hw_summary
+
+            hw = hw_summary(HwDescriptor.from_dict(hw))
+        for m in rec["measurements"]:
+            add_measurement(cases, rec["kernel"], isa, shape, rec.get("workload", ""), "train", hw,
+                            m["config"], bool(m.get("ok")), m.get("ms"), m.get("phase", ""))
+    return cases, n
+
+
+def split_cases(cases: dict[tuple, Case]) -> tuple[list[Case], list[Case]]:
+    train = [c for c in cases.values() if c.split == "train" and c.ms]
+    held = [c for c in cases.values() if c.split == "heldout" and c.ms]
+    return train, held
+
+
+def training_examples(train: list[Case], top: int = 12, tau: float = 0.08) -> list[tuple[Case, dict, float]]:
+    """(case, config, weight): each case's `top` fastest configs, weighted by relative speed.
+
+    weight ∝ exp(-(ms/best - 1)/tau), normalised per case, so every case counts the same and the model learns
+    the ranking (a config 8% slower than the best gets e^-1 of its weight), not just the top-1.
+    """
+    out = []
+    for c in train:
+        ranked = c.ranked()[:top]
+        if not ranked:
+            continue
+        best = ranked[0][1]
+        ws = [math.exp(-(ms / best - 1) / tau) for _, ms in ranked]
+        z = sum(ws)
+        out += [(c, cfg, w / z) for (cfg, _), w in zip(ranked, ws)]
+    return out
+
+
+def table_predicate(names: list[str], configs: Iterable[dict]):
+    """A constraint-style predicate "the config is in this table" that also prunes partial configs.
+
+    Partial configs (assigned in space order, as the proposer builds them) are kept while some table config
+    shares their prefix; a full config must be in the table.
+    """
+    prefixes: set[tuple] = set()
+    for c in configs:
+        vals = tuple(c[n] for n in names)
+        for i in range(len(vals) + 1):
+            prefixes.add(vals[:i])
+
+    def ok(c) -> bool:
+        vals = []
+        for n in names:
+            if n not in c:
+                break
+            vals.append(c[n])
+        return tuple(vals) in prefixes
+
+    return ok
+
+
+class HwView:
+    """Just enough of an HwDescriptor for constraints and the prompt, from a data row's hw summary."""
+
+    def __init__(self, d: dict):
+        self._d = d
+        self.isa, self.vector_bits, self.cores = d["isa"], d["vector_bits"], d["cores"]
+        self.bandwidth_gbps = d.get("bandwidth_gbps")
+        self.arch = d.get("arch", "x86_64")
+
+    def cache_bytes(self, level: int, kind: str = "Data"):
+        return self._d.get({1: "l1d", 2: "l2", 3: "l3"}[level])

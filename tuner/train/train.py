@@ -1,0 +1,329 @@
+"""Train the tuner model from tuning records and ship it: `python -m tuner.train` (what `make model` runs).
+
+data (collector JSONL and/or results DB / JSONL records) -> cases -> top configs per case weighted by relative
+speed -> sentencepiece BPE -> tiny LLaMA (torch, CPU) -> GGUF f16 (gguf) -> Q8_0 (llama.cpp's quantizer)
+-> agreement check torch vs llama.cpp -> held-out evaluation with the real proposer -> model card JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels.registry import all_specs
+from tuner.model.inference import MODEL_NAME, PROMPT_FORMAT
+from tuner.model.prompt import completion_text, prompt_text
+from tuner.train import data as D
+from tuner.train.data import HwView as _HwView
+from tuner.train.gguf_export import quantize_q8_0, write_f16
+from tuner.train.model import Config, TinyLlama
+from tuner.train.tokenizer import load as load_sp
+from tuner.train.tokenizer import train_tokenizer
+
+OUT_DIR = Path(__file__).resolve().parents[2] / "quantized_models"
+
+
+def spaces_meta() -> dict:
+    return {n: {p.name: [str(v) for v in p.values] for p in s.params} for n, s in all_specs().items()}
+
+
+def build_corpus(train: list[D.Case], held: list[D.Case]) -> list[str]:
+    """Tokenizer corpus: every prompt (held-out prompts only carry shape text, no config ranking) + completions."""
+    lines = []
+    specs = all_specs()
+    for c in train + held:
+        lines.append(prompt_text(c.kernel, c.shape, c.hw))
+    for c in train:
+        names = [p.name for p in specs[c.kernel].params]
+        for cfg, _ in c.ranked()[:24]:
+            lines.append(completion_text(cfg, names))
+    for n, s in specs.items():  # every value of every knob, at least once
+        lines.append("".join(f" {p.name}={v}" for p in s.params for v in p.values))
+    return lines
+
+
+def encode_cases(sp, examples) -> list[dict]:
+    """One packed item per case: the prompt once, then each of its top configs as a branch that sees the prompt
+    and itself only (positions restart after the prompt), with the configs' weights."""
+    specs = all_specs()
+    by_case: dict[int, list] = {}
+    cases = {}
+    for case, cfg, w in examples:
+        by_case.setdefault(id(case), []).append((cfg, w))
+        cases[id(case)] = case
+    items = []
+    for cid, branches in by_case.items():
+        case = cases[cid]
+        names = [p.name for p in specs[case.kernel].params]
+        prompt = [sp.bos_id()] + sp.encode(prompt_text(case.kernel, case.shape, case.hw))
+        full = sp.encode(prompt_text(case.kernel, case.shape, case.hw) + completion_text(branches[0][0], names))
+        assert full[:len(prompt) - 1] == prompt[1:], "prompt/completion tokenisation is not context-free"
+        items.append({"prompt": prompt,
+                      "branches": [(sp.encode(completion_text(cfg, names)) + [sp.eos_id()], w) for cfg, w in branches]})
+    return items
+
+
+def pack(items: list[dict]) -> tuple[torch.Tensor, ...]:
+    """Batch of packed cases -> ids, pos, mask, (src index, target, weight) for the loss."""
+    lens = [len(it["prompt"]) + sum(len(b) - 1 for b, _ in it["branches"]) for it in items]
+    T = max(lens)
+    B = len(items)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    src, tgt, wts = [], [], []
+    for r, it in enumerate(items):
+        P = it["prompt"]
+        p = len(P)
+        ids[r, :p] = torch.tensor(P)
+        pos[r, :p] = torch.arange(p)
+        mask[r, 0, :p, :p] = torch.tril(torch.ones(p, p, dtype=torch.bool))
+        o = p
+        for toks, w in it["branches"]:
+            body = toks[:-1]  # the last token (EOS) is only a target
+            n = len(body)
+            ids[r, o:o + n] = torch.tensor(body)
+            pos[r, o:o + n] = torch.arange(p, p + n)
+            mask[r, 0, o:o + n, :p] = True
+            mask[r, 0, o:o + n, o:o + n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            srcs = [r * T + p - 1] + [r * T + o + j for j in range(n)]
+            src += srcs
+            tgt += toks
+            wts += [w] * len(toks)
+            o += n
+        for j in range(o, T):  # padding attends to itself only (keeps softmax finite)
+            mask[r, 0, j, j] = True
+    return ids, pos, mask, torch.tensor(src), torch.tensor(tgt), torch.tensor(wts, dtype=torch.float32)
+
+
+def train_model(items: list[dict], cfg: Config, *, steps: int, batch: int, lr: float, seed: int,
+                log_every: int = 25, deadline_s: float | None = None) -> tuple[TinyLlama, list[float]]:
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = TinyLlama(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    n = len(items)
+    order = list(range(n))
+    losses = []
+    t0 = time.time()
+    pos_i = n
+    for step in range(steps):
+        if deadline_s and time.time() - t0 > deadline_s and step > 0:
+            print(f"  stopping at step {step}: time budget reached", flush=True)
+            break
+        # cosine decay over whichever runs out first, the steps or the time budget (a busy machine still anneals)
+        prog = max(step / steps, (time.time() - t0) / deadline_s if deadline_s else 0.0)
+        lr_now = lr * min(1.0, (step + 1) / 20) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
+        for g in opt.param_groups:
+            g["lr"] = lr_now
+        if pos_i + batch > n:
+            rng.shuffle(order)
+            pos_i = 0
+        idx = order[pos_i:pos_i + batch]
+        pos_i += batch
+        ids, pos, mask, src, tgt, w = pack([items[i] for i in idx])
+        logits = model(ids, pos, mask).reshape(-1, cfg.vocab)[src]
+        nll = F.cross_entropy(logits, tgt, reduction="none")
+        loss = (nll * w).sum() / len(idx)  # weights sum to 1 per case: the mean over cases of E_w[-log p]
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % log_every == 0 or step == steps - 1:
+            print(f"  step {step:5d} loss {np.mean(losses[-log_every:]):.4f} lr {lr_now:.2e} "
+                  f"{time.time() - t0:.0f}s load {os.getloadavg()[0]:.2f}", flush=True)
+    return model, losses
+
+
+def agreement(model: TinyLlama, gguf_path: Path, seqs: list[list[int]]) -> dict:
+    """Max |torch - llama.cpp| logits and top-1 agreement over a few sequences."""
+    from tuner.model.inference import LlamaModel
+
+    lm = LlamaModel(gguf_path, n_seq_max=4)
+    diffs, agree, total = [], 0, 0
+    model.eval()
+    with torch.no_grad():
+        for s in seqs:
+            a = model(torch.tensor([s]))[0].numpy()
+            b = lm.logits(s)
+            diffs.append(float(np.abs(a - b).max() / (np.abs(a).max() + 1e-9)))
+            agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+            total += len(s)
+    lm.close()
+    return {"max_rel_diff": max(diffs), "top1_agree": agree / total}
+
+
+def evaluate_heldout(gguf_path: Path, held: list[D.Case], k: int = 5) -> dict:
+    """Propose top-k on each held-out case (restricted to its measured table, as in the bench replay)."""
+    from hwprobe.descriptor import HwDescriptor  # noqa: F401  (descriptor fields come from the data)
+    from tuner.model.proposer import Proposer
+
+    specs = all_specs()
+    prop = Proposer(path=gguf_path)
+    rows, lat = [], []
+    for c in held:
+        spec = specs[c.kernel]
+        hw = _HwView(c.hw)
+        space = spec.space(c.shape, hw)
+        table = c.table()
+        from kernels.space import config_key
+
+        pred = D.table_predicate(space.names, [c.configs[key] for key in table])
+        res = prop.propose(c.kernel, space, k, extra=pred)
+        lat.append(res.latency_ms)
+        best = min(table.values())
+        got = [table[config_key(p.config)] for p in res.proposals if config_key(p.config) in table]
+        evals_to = next((i + 1 for i, ms in enumerate(got) if ms <= best * 1.05), None)
+        rows.append({"kernel": c.kernel, "isa": c.isa, "workload": c.workload, "best_ms": best,
+                     "top1_ratio": got[0] / best if got else None, "topk_ratio": min(got) / best if got else None,
+                     "evals_to_5pct": evals_to})
+    prop.m.close()
+    n = len(rows)
+    return {
+        "cases": n, "k": k,
+        "top1_within_5pct": sum(1 for r in rows if r["top1_ratio"] and r["top1_ratio"] <= 1.05) / n,
+        "topk_within_5pct": sum(1 for r in rows if r["topk_ratio"] and r["topk_ratio"] <= 1.05) / n,
+        "median_topk_ratio": float(np.median([r["topk_ratio"] or 9 for r in rows])),
+        "median_evals_to_5pct": float(np.median([r["evals_to_5pct"] or 99 for r in rows])),
+        "latency_ms_p50": float(np.percentile(lat, 50)), "latency_ms_p95": float(np.percentile(lat, 95)),
+        "per_case": rows,
+    }
+
+
+def run(data: list[Path], records: list[Path], out_dir: Path, *, dim: int, layers: int, heads: int, ffn: int,
+        vocab: int, steps: int, batch: int, lr: float, top: int, tau: float, seed: int, threads: int,
+        deadline_s: float | None, name: str = MODEL_NAME) -> dict:
+    t_all = time.time()
+    torch.set_num_threads(threads)
+    cases: dict = {}
+    h = hashlib.sha256()
+    for p in data:
+        D.load_collector(p, cases)
+        for row in D._rows(Path(p)):  # the training rows only: held-out references may grow without changing it
+            if row.get("kind") == "hw" or row.get("split") == "train":
+                h.update(json.dumps(row, sort_keys=True).encode())
+    heldout_keys = {k for k, c in cases.items() if c.split == "heldout"}
+    n_sessions = 0
+    for p in records:
+        _, n = D.load_records(p, cases, heldout_keys)
+        n_sessions += n
+        h.update(Path(p).read_bytes())
+    dataset_sha = h.hexdigest()
+    train, held = D.split_cases(cases)
+    if not train:
+        raise SystemExit("no training cases in the data")
+    examples = D.training_examples(train, top=top, tau=tau)
+    print(f"cases: {len(train)} train, {len(held)} held-out; {len(examples)} weighted examples; "
+          f"{n_sessions} record sessions", flush=True)
+    proto = train_tokenizer(build_corpus(train, held), vocab)
+    sp = load_sp(proto)
+    items = encode_cases(sp, examples)
+    seqs = [it["prompt"] + b[0] for it in items for b in it["branches"][:1]]
+    longest = max(len(it["prompt"]) + max(len(b) for b, _ in it["branches"]) for it in items)
+    cfg = Config(vocab=sp.get_piece_size(), dim=dim, layers=layers, heads=heads, ffn=ffn,
+                 ctx=max(128, 2 ** math.ceil(math.log2(longest + 8))))
+    print(f"tokenizer: {cfg.vocab} pieces; longest sequence {longest} tokens; model {cfg}", flush=True)
+    model, losses = train_model(items, cfg, steps=steps, batch=batch, lr=lr, seed=seed, deadline_s=deadline_s)
+    version = f"{time.strftime('%Y%m%d')}-{dataset_sha[:8]}-{hashlib.sha256(json.dumps(cfg.to_dict()).encode()).hexdigest()[:6]}"
+    training = {"steps": len(losses), "batch": batch, "lr": lr, "top": top, "tau": tau, "seed": seed,
+                "final_loss": float(np.mean(losses[-50:])), "threads": threads, "arch": cfg.to_dict()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as td:
+        f16 = Path(td) / f"{name}.f16.gguf"
+        q8 = Path(td) / f"{name}.Q8_0.gguf"
+        meta = {"name": name, "version": version, "dataset_sha256": dataset_sha, "prompt_format": PROMPT_FORMAT,
+                "training": training}
+        write_f16(model, proto, f16, meta | {"spaces": spaces_meta()})
+        quantize_q8_0(f16, q8, threads)
+        probe_seqs = seqs[:: max(1, len(seqs) // 6)][:6]
+        agree_f16 = agreement(model, f16, probe_seqs)
+        agree_q8 = agreement(model, q8, probe_seqs)
+        print(f"torch vs llama.cpp: f16 {agree_f16}, Q8_0 {agree_q8}", flush=True)
+        final = out_dir / f"{name}.Q8_0.gguf"
+        shutil.copyfile(q8, final)
+        (out_dir / f"{name}.tokenizer.model").write_bytes(proto)
+    metrics = evaluate_heldout(final, held) if held else {}
+    card = {
+        "name": name, "version": version, "file": final.name, "bytes": final.stat().st_size,
+        "sha256": hashlib.sha256(final.read_bytes()).hexdigest(), "quantization": "Q8_0 (llama_model_quantize)",
+        "architecture": "llama", "prompt_format": PROMPT_FORMAT, "dataset_sha256": dataset_sha,
+        "dataset_sha256_covers": "sha256 over the kind=hw and split=train lines of the data files (each as JSON with "
+                                 "sorted keys, in file order), then the bytes of any --records files",
+        "dataset_files": [os.path.relpath(p, OUT_DIR.parent) for p in data] + [str(p) for p in records],
+        "cases": {"train": len(train), "heldout": len(held), "examples": len(examples)},
+        "tokenizer": {"type": "sentencepiece BPE", "pieces": cfg.vocab, "add_space_prefix": False},
+        "training": training, "training_seconds": round(time.time() - t_all, 1),
+        "agreement": {"f16": agree_f16, "q8_0": agree_q8},
+        "heldout": {k: v for k, v in metrics.items() if k != "per_case"},
+        "heldout_per_case": metrics.get("per_case", []),
+    }
+    (out_dir / f"{name}.card.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card["heldout"], indent=2), flush=True)
+    print(f"wrote {final} ({card['bytes']} bytes) and its card in {time.time() - t_all:.0f}s", flush=True)
+    return card
+
+
+def refresh_card(out_dir: Path, data: list[Path], name: str = MODEL_NAME) -> dict:
+    """Recompute a shipped model's held-out metrics on (possibly grown) reference tables; rewrite its card."""
+    card_path = out_dir / f"{name}.card.json"
+    card = json.loads(card_path.read_text())
+    cases: dict = {}
+    for p in data:
+        D.load_collector(p, cases)
+    _, held = D.split_cases(cases)
+    metrics = evaluate_heldout(out_dir / card["file"], held)
+    card["heldout"] = {k: v for k, v in metrics.items() if k != "per_case"}
+    card["heldout_per_case"] = metrics["per_case"]
+    card_path.write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card["heldout"], indent=2))
+    return card
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tuner.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", action="append", help=f"collector JSONL(.gz) (default: {D.DEFAULT_DATA})")
+    ap.add_argument("--records", action="append", default=[], help="results DB or JSONL records to add")
+    ap.add_argument("--no-base", action="store_true", help="train on --records only")
+    ap.add_argument("--out", default=str(OUT_DIR))
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=768)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=16, help="cases per step")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--tau", type=float, default=0.08)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-minutes", type=float, default=30.0,
+                    help="safety net: stop training after this long (the card records the steps done)")
+    ap.add_argument("--card-only", action="store_true", help="only re-evaluate the held-out metrics of --out's model")
+    a = ap.parse_args(argv)
+    data = [Path(p) for p in a.data] if a.data else ([] if a.no_base else [D.DEFAULT_DATA])
+    if a.card_only:
+        refresh_card(Path(a.out), data)
+        return 0
+    run(data, [Path(p) for p in a.records], Path(a.out), dim=a.dim, layers=a.layers, heads=a.heads, ffn=a.ffn,
+        vocab=a.vocab, steps=a.steps, batch=a.batch, lr=a.lr, top=a.top, tau=a.tau, seed=a.seed,
+        threads=a.threads, deadline_s=a.max_minutes * 60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
