@@ -1,0 +1,166 @@
+"""Verbs `daemon`, `status`, `retune`, `ping`, `config check` and `notify firmware-changed`.
+
+All but `daemon` and `config check` talk to a running daemon over the control socket; when it is down they say
+so and exit 1 (except `notify`, which then leaves a marker the daemon reads at its next start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+from daemon import config as config_mod
+from daemon import control, firmware
+from edgetune.errors import BadInput
+from edgetune.output import console, emit, fmt, json_flag, progress, table
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("daemon", help="run the tuning daemon (systemd runs this; logs go to stderr)")
+    p.add_argument("--config", metavar="FILE", help="one TOML file instead of /etc/edgetune/edgetune.toml + conf.d")
+    json_flag(p)
+    p.set_defaults(func=cmd_daemon)
+
+    p = sub.add_parser("status", help="what the daemon is doing: state, job, queue, broker, outbox, last tune")
+    json_flag(p)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("retune", help="ask the daemon to retune (all configured workloads, or some)")
+    p.add_argument("--kernel", action="append", metavar="K", help="only this kernel (repeatable)")
+    p.add_argument("--workload", action="append", metavar="W",
+                   help="only this workload, or KERNEL/WORKLOAD (repeatable)")
+    p.add_argument("--strategy", help="search strategy (default: the config's)")
+    p.add_argument("--budget", type=int, metavar="N", help="evals per workload (default: the config's)")
+    p.add_argument("--force", action="store_true", help="tune again even where a current result exists")
+    p.add_argument("--wait", action="store_true", help="follow the progress until it finishes")
+    json_flag(p)
+    p.set_defaults(func=cmd_retune)
+
+    p = sub.add_parser("ping", help="is the daemon running and answering?")
+    json_flag(p)
+    p.set_defaults(func=cmd_ping)
+
+    p = sub.add_parser("config", help="daemon configuration")
+    actions = p.add_subparsers(dest="action", required=True)
+    q = actions.add_parser("check", help="report every problem in the config, with its file and key (exit 2 if any)")
+    q.add_argument("--config", metavar="FILE", help="check this file instead of /etc/edgetune/edgetune.toml + conf.d")
+    json_flag(q)
+    q.set_defaults(func=cmd_config_check)
+
+    p = sub.add_parser("notify", help="tell the daemon about an event (firmware update hooks call this)")
+    events = p.add_subparsers(dest="event", required=True)
+    q = events.add_parser("firmware-changed", help="the firmware changed: retune everything")
+    q.add_argument("--source", required=True, choices=firmware.SOURCES, help="the update framework")
+    json_flag(q)
+    q.set_defaults(func=cmd_notify_firmware)
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from daemon.service import Daemon  # the heavy imports only for the daemon itself
+
+    return Daemon(config_mod.load_or_raise(args.config), args.config).run()
+
+
+def _one(req: dict) -> dict:
+    reply = next(control.request(req))
+    if not reply.get("ok"):
+        raise BadInput(reply["error"]) if reply.get("exit") == 2 else control.DaemonDown(reply["error"])
+    return reply
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = _one({"op": "status"})
+    emit(st, args.json, _render_status)
+    return 0
+
+
+def _ago(ts: float | None) -> str:
+    return "-" if not ts else f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ts))}"
+
+
+def _render_status(st: dict) -> None:
+    job = st.get("job")
+    broker = st.get("broker") or {}
+    if not broker:
+        link = "-"
+    elif not broker.get("configured"):
+        link = "none configured (results kept locally)"
+    else:
+        link = (f"{broker['host']}:{broker['port']} {'connected' if broker['connected'] else 'disconnected'}"
+                f" (MQTT {broker['protocol']}{', TLS' if broker['tls'] else ''})"
+                + (f": {broker['last_error']}" if broker.get("last_error") else ""))
+    ob = st.get("outbox") or {}
+    last = st.get("last_tune")
+    queue = st.get("queue") or {}
+    rows = [
+        ["state", st["state"]],
+        ["device", f"{st['device_id']} (session {st.get('session', '-')}, pid {st['pid']}, up {st['uptime_s']:.0f} s)"],
+        ["job", f"{job['message'] or ', '.join(job['targets'])} ({job['progress']:.0%}, {job['origin']})"
+                if job else "-"],
+        ["queue", f"{queue.get('jobs', 0)} job(s), {queue.get('targets', 0)} workload(s)"],
+        ["broker", link],
+        ["outbox", f"{ob.get('messages', 0)} message(s), {ob.get('bytes', 0)} B, {ob.get('dropped', 0)} dropped"],
+        ["last tune", f"{last['target']} {fmt(last['ms'], 4)} ms, speedup {fmt(last['speedup'], 2)}x "
+                      f"at {_ago(last['tuned_at'])}" if last else "-"],
+    ]
+    table(f"edgetune daemon {st['version']}", ["", ""], rows)
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    t = time.perf_counter()
+    reply = _one({"op": "ping"})
+    reply["rtt_ms"] = round((time.perf_counter() - t) * 1000, 2)
+    emit(reply, args.json, lambda r: console.print(f"pong: daemon {r['version']} is {r['state']} ({r['rtt_ms']} ms)"))
+    return 0
+
+
+def cmd_retune(args: argparse.Namespace) -> int:
+    req: dict[str, Any] = {"op": "retune", "kernels": args.kernel, "workloads": args.workload,
+                           "strategy": args.strategy, "budget": args.budget, "force": args.force, "wait": args.wait}
+    last: dict = {}
+    with progress(args.wait and not args.json) as bar:
+        task = bar.add_task("retune", total=1.0) if bar else None
+        for reply in control.request(req, timeout=None if args.wait else 10.0):
+            if not reply.get("ok"):
+                raise BadInput(reply["error"]) if reply.get("exit") == 2 else control.DaemonDown(reply["error"])
+            last = reply
+            if bar and task is not None:
+                bar.update(task, completed=reply.get("progress") or 0, description=reply.get("message") or "retune")
+    emit(last, args.json, lambda r: console.print(
+        f"retune {r['id']}: {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")))
+    return {"rejected": 2, "failed": 1}.get(last.get("status", ""), 0)
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    loaded = config_mod.load(args.config)
+    cfg = dataclasses.asdict(loaded.config)
+    if cfg["mqtt"]["password"] is not None:
+        cfg["mqtt"]["password"] = "***"
+    doc = {"ok": not loaded.problems, "files": loaded.files, "config": cfg,
+           "problems": [dataclasses.asdict(p) for p in loaded.problems]}
+
+    def render(d: dict) -> None:
+        where = ", ".join(d["files"]) or "no config files (defaults)"
+        if d["ok"]:
+            console.print(f"[green]config OK[/green]: {where}; device id {cfg['device_id']}", highlight=False)
+            return
+        console.print(f"[red]{len(loaded.problems)} problem(s)[/red] in {where}:", highlight=False)
+        for p in loaded.problems:
+            console.print(f"  {p}", highlight=False, markup=False)
+
+    emit(doc, args.json, render)
+    return 2 if loaded.problems else 0
+
+
+def cmd_notify_firmware(args: argparse.Namespace) -> int:
+    try:
+        reply = _one({"op": "notify", "event": "firmware-changed", "source": args.source})
+        doc = {"delivered": True, "command_id": reply.get("id")}
+    except control.DaemonDown:
+        doc = {"delivered": False, "marker": str(firmware.write_marker(args.source))}
+    emit(doc, args.json, lambda d: console.print(
+        f"daemon notified: retune {d['command_id']}" if d["delivered"]
+        else f"daemon not running: left {d['marker']} for its next start", highlight=False))
+    return 0

@@ -1,0 +1,291 @@
+"""Remote and local commands: validate, journal, dedupe, respond.
+
+A command is journaled (SQLite, <state_dir>/daemon.db) before it is acknowledged, both by the `accepted` response
+and by the MQTT PUBACK, which paho sends only after the message callback returns. The journal is also the dedupe
+table: a repeated id re-sends the recorded state and never runs again. Anything unusable gets a `rejected`
+response with a reason: on cmd/res/{id} when the payload has a usable id, else on cmd/res/invalid (with the
+sha256 of the payload so the sender can match it) and in the log. Execution is the executor's job; this module
+never blocks the MQTT thread on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from daemon.store import daemon_db_path
+from edgetune.errors import BadInput
+
+log = logging.getLogger(__name__)
+
+MAX_PAYLOAD = 16 * 1024
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # also a topic level: no '/', '+', '#'
+RETUNE_ARGS = ("kernels", "workloads", "strategy", "budget", "force")
+OPS: dict[str, tuple[str, ...]] = {"retune": RETUNE_ARGS, "probe": (), "report": (), "ping": ()}
+TERMINAL = ("succeeded", "failed", "rejected")
+JOURNAL_KEEP_S = 30 * 86400.0  # a repeated id is recognised for this long
+OPEN = ("accepted", "in_progress")
+
+
+@dataclass(frozen=True)
+class Command:
+    id: str
+    op: str
+    args: dict
+    origin: str  # fleet | local | firmware-hook
+
+
+class Rejected(Exception):
+    pass
+
+
+def _expired(expires_at: Any, now: float) -> bool:
+    """expires_at: epoch seconds or an ISO 8601 time (UTC when it has no offset); null means never."""
+    if expires_at is None:
+        return False
+    if isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool):
+        return expires_at < now
+    if isinstance(expires_at, str):
+        try:
+            t = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+            return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp() < now
+        except (ValueError, OverflowError):
+            raise Rejected(f"bad expires_at {expires_at[:40]!r}: give epoch seconds or ISO 8601") from None
+    raise Rejected("bad expires_at: give epoch seconds or ISO 8601")
+
+
+def _str_list(name: str, v: Any) -> list[str]:
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v) or len(v) > 256:
+        raise Rejected(f"bad args: {name} must be a non-empty list of names")
+    return v
+
+
+def check_args(op: str, args: Any) -> dict:
+    """Shape checks of a command's args; names (kernels, workloads) are checked by the executor."""
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise Rejected("bad args: must be an object")
+    unknown = [k for k in args if k not in OPS[op]]
+    if unknown:
+        takes = ", ".join(OPS[op]) or "no args"
+        raise Rejected(f"bad args: unknown {', '.join(map(str, unknown))[:100]}; {op} takes {takes}")
+    for k in ("kernels", "workloads"):
+        if k in args:
+            _str_list(k, args[k])
+    if "strategy" in args:
+        from tuner.strategies import STRATEGIES
+
+        if not isinstance(args["strategy"], str) or args["strategy"] not in STRATEGIES:
+            raise Rejected(f"bad args: strategy must be one of {', '.join(STRATEGIES)}")
+    if "budget" in args and not (type(args["budget"]) is int and 1 <= args["budget"] <= 100_000):
+        raise Rejected("bad args: budget must be an integer 1-100000 (evals per workload)")
+    if "force" in args and not isinstance(args["force"], bool):
+        raise Rejected("bad args: force must be true or false")
+    return args
+
+
+def parse(payload: bytes, now: float) -> tuple[str | None, Command | None, str | None]:
+    """(usable id or None, command or None, rejection reason or None)."""
+    if len(payload) > MAX_PAYLOAD:
+        return None, None, f"oversized: {len(payload)} bytes, the limit is {MAX_PAYLOAD}"
+    try:
+        doc = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, None, "not JSON (UTF-8 JSON object expected)"
+    if not isinstance(doc, dict):
+        return None, None, "not a JSON object"
+    cid = doc.get("id")
+    if not isinstance(cid, str) or not ID_RE.fullmatch(cid):
+        return None, None, "missing or unusable id (1-128 of A-Z a-z 0-9 _ . : -, starting alphanumeric)"
+    try:
+        op = doc.get("op")
+        if not isinstance(op, str) or op not in OPS:
+            raise Rejected(f"unknown op {str(op)[:40]!r}; ops: {', '.join(OPS)}")
+        if _expired(doc.get("expires_at"), now):
+            raise Rejected("expired")
+        return cid, Command(cid, op, check_args(op, doc.get("args")), "fleet"), None
+    except Rejected as e:
+        return cid, None, str(e)
+
+
+class Journal:
+    """The command table: id → op, args, origin, last response. INSERT OR IGNORE makes the dedupe atomic."""
+
+    def __init__(self, path: Path | None = None):
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path or daemon_db_path(), timeout=30, isolation_level=None,
+                                     check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("""CREATE TABLE IF NOT EXISTS commands (
+            id TEXT PRIMARY KEY, op TEXT, args_json TEXT, origin TEXT NOT NULL, status TEXT NOT NULL,
+            response_json TEXT NOT NULL, received_at REAL NOT NULL, updated_at REAL NOT NULL)""")
+
+    def prune(self, keep_s: float = JOURNAL_KEEP_S) -> None:
+        """Forget finished commands older than the dedupe window, so the journal does not grow forever."""
+        with self._lock:
+            self._conn.execute(f"DELETE FROM commands WHERE status IN ({','.join('?' * len(TERMINAL))}) "
+                               "AND updated_at < ?", (*TERMINAL, time.time() - keep_s))
+
+    def insert(self, cmd_id: str, op: str | None, args: dict | None, origin: str, response: dict) -> bool:
+        """False when the id is already known (a duplicate)."""
+        now = time.time()
+        with self._lock:
+            cur = self._conn.execute(
+                "INSERT OR IGNORE INTO commands VALUES (?,?,?,?,?,?,?,?)",
+                (cmd_id, op, json.dumps(args), origin, response["status"], json.dumps(response), now, now))
+        return cur.rowcount == 1
+
+    def update(self, cmd_id: str, response: dict) -> None:
+        with self._lock:
+            self._conn.execute("UPDATE commands SET status=?, response_json=?, updated_at=? WHERE id=?",
+                               (response["status"], json.dumps(response), time.time(), cmd_id))
+
+    def response(self, cmd_id: str) -> dict | None:
+        with self._lock:
+            row = self._conn.execute("SELECT response_json FROM commands WHERE id=?", (cmd_id,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def open_commands(self) -> list[Command]:
+        with self._lock:
+            rows = self._conn.execute(f"SELECT id, op, args_json, origin FROM commands WHERE status IN "
+                                      f"({','.join('?' * len(OPEN))}) ORDER BY received_at", OPEN).fetchall()
+        return [Command(r[0], r[1], json.loads(r[2]) or {}, r[3]) for r in rows]
+
+
+Respond = Callable[[str | None, dict], None]
+
+
+class Commands:
+    """The command front door for MQTT, the control socket and firmware hooks.
+
+    `check` resolves names (kernels, workloads) and raises BadInput, so a bad name is rejected before it is
+    accepted; `execute` starts the work and must return quickly.
+    """
+
+    def __init__(self, journal: Journal, respond: Respond, check: Callable[[Command], None],
+                 execute: Callable[[Command], None]):
+        self.journal, self._respond, self._check, self._execute = journal, respond, check, execute
+        self._watchers: dict[str, list[Callable[[dict], None]]] = {}
+        self._lock = threading.Lock()
+
+    def handle(self, payload: bytes) -> None:
+        """One cmd/req message. Never raises: a bad request is a rejection, not a crash."""
+        try:
+            self._handle(payload)
+        except Exception as e:  # a bug here must still answer, and must not reach the MQTT thread
+            log.exception("cmd/req handling failed")
+            self._respond(None, {"id": None, "status": "rejected", "reason": f"internal error: {type(e).__name__}",
+                                 "request_sha256": hashlib.sha256(payload).hexdigest(), "ts": time.time()})
+
+    def _handle(self, payload: bytes) -> None:
+        now = time.time()
+        cid, cmd, reason = parse(payload, now)
+        if cid is None:
+            digest = hashlib.sha256(payload).hexdigest()
+            log.warning("rejected cmd/req (%d bytes, sha256 %s): %s", len(payload), digest[:16], reason)
+            self._respond(None, {"id": None, "status": "rejected", "reason": reason, "request_sha256": digest,
+                                 "ts": now})
+            return
+        known = self.journal.response(cid)
+        if known is not None:
+            log.info("duplicate command %s: re-sending its recorded state %s", cid, known["status"])
+            self._respond(cid, known)
+            return
+        if cmd is not None:
+            reason = self._checked(cmd)
+        if cmd is None or reason:
+            log.warning("rejected command %s: %s", cid, reason)
+            self._record(cid, cmd.op if cmd else None, cmd.args if cmd else None, "fleet", "rejected", reason)
+            return
+        self._start(cmd)
+
+    def local(self, op: str, args: dict, origin: str, note: str | None = None) -> Command:
+        """A command from the control socket or a firmware hook: a generated id, the same checks and journal."""
+        cid = f"{origin}-{uuid.uuid4().hex[:12]}"
+        try:
+            cmd = Command(cid, op, check_args(op, args), origin)
+        except Rejected as e:
+            cmd, reason = Command(cid, op, args, origin), str(e)
+        else:
+            reason = self._checked(cmd)
+        if reason:
+            self._record(cid, op, args, origin, "rejected", reason)
+            raise BadInput(reason)
+        self._start(cmd, note)
+        return cmd
+
+    def _checked(self, cmd: Command) -> str | None:
+        try:
+            self._check(cmd)
+        except BadInput as e:
+            return f"bad args: {e}"
+        return None
+
+    def _start(self, cmd: Command, note: str | None = None) -> None:
+        if self._record(cmd.id, cmd.op, cmd.args, cmd.origin, "accepted", None, note):
+            self._execute(cmd)
+
+    def _record(self, cid: str, op: str | None, args: dict | None, origin: str, status: str, reason: str | None,
+                note: str | None = None) -> bool:
+        doc = self._doc(cid, op, origin, status, 0.0 if status == "accepted" else None, reason, None, note)
+        if not self.journal.insert(cid, op, args, origin, doc):
+            return False
+        self._emit(cid, doc)
+        return True
+
+    @staticmethod
+    def _doc(cid: str, op: str | None, origin: str, status: str, progress: float | None, reason: str | None,
+             result: Any, message: str | None = None) -> dict:
+        return {"id": cid, "op": op, "origin": origin, "status": status, "progress": progress, "reason": reason,
+                "result": result, "message": message, "ts": time.time()}
+
+    def update(self, cmd_id: str, status: str, *, progress: float | None = None, reason: str | None = None,
+               result: Any = None, message: str | None = None) -> None:
+        prev = self.journal.response(cmd_id) or {}
+        if prev.get("status") in TERMINAL:
+            return  # a finished command stays finished (e.g. a late progress tick)
+        if status in TERMINAL:
+            progress = 1.0 if status == "succeeded" else prev.get("progress")
+        doc = self._doc(cmd_id, prev.get("op"), prev.get("origin", "fleet"), status, progress, reason, result,
+                        message)
+        self.journal.update(cmd_id, doc)
+        self._emit(cmd_id, doc)
+
+    def _emit(self, cmd_id: str, doc: dict) -> None:
+        self._respond(cmd_id, doc)
+        with self._lock:
+            watchers = list(self._watchers.get(cmd_id, ()))
+        for w in watchers:
+            w(doc)
+
+    def watch(self, cmd_id: str, fn: Callable[[dict], None]) -> Callable[[], None]:
+        """Call fn on every new state of a command (for `retune --wait`); returns the unwatch function."""
+        with self._lock:
+            self._watchers.setdefault(cmd_id, []).append(fn)
+
+        def unwatch() -> None:
+            with self._lock:
+                self._watchers.get(cmd_id, []).remove(fn)
+                if not self._watchers.get(cmd_id):
+                    self._watchers.pop(cmd_id, None)
+
+        return unwatch
+
+    def interrupted(self) -> list[Command]:
+        """At start: what the last run left open is reported failed with reason `interrupted`."""
+        cmds = self.journal.open_commands()
+        for c in cmds:
+            log.warning("command %s (%s) was interrupted by the last stop", c.id, c.op)
+            self.update(c.id, "failed", reason="interrupted")
+        return cmds

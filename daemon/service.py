@@ -1,0 +1,405 @@
+"""`edgetune daemon`: keep this device's kernels tuned for its hardware, firmware and model, and report it.
+
+Threads: main (signals, telemetry, watchdog, reload), mqtt (daemon.mqtt.Link), tuner (daemon.scheduler),
+control (the local socket), ops (short commands: probe, report, ping). Every result goes to the results DB
+first and to the broker through the outbox, so neither a broker outage nor a crash loses one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from daemon import config as config_mod
+from daemon import firmware, records, sdnotify, targets
+from daemon.commands import TERMINAL, Command, Commands, Journal
+from daemon.config import DaemonConfig
+from daemon.control import ControlServer
+from daemon.info import info_doc, model_info
+from daemon.mqtt import CONNECT_TIMEOUT_S, Link
+from daemon.outbox import Outbox
+from daemon.publisher import Publisher, encode, status_doc
+from daemon.scheduler import Job, Outcome, Scheduler
+from daemon.store import DaemonStore
+from daemon.telemetry import Telemetry
+from daemon.topics import Topics
+from edgetune import __version__
+from edgetune.errors import BadInput, EdgetuneError
+from hwprobe import probe
+from tuner.db import ResultsDB
+
+log = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 10.0  # at stop: how long to let the broker acknowledge what is queued
+PROGRESS_EVERY_S = 0.5  # in_progress responses per command, at most this often
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig, config_path: str | None):
+        self.cfg, self.config_path = cfg, config_path
+        self._wake = threading.Event()
+        self._stop = False
+        self._reload = False
+        self._ready = False
+        self._local = threading.local()
+        self._t0 = time.monotonic()
+        self._progress_at = 0.0
+        self.link: Link | None = None
+        self.scheduler: Scheduler | None = None
+        self.commands: Commands | None = None
+        self.ops: ThreadPoolExecutor | None = None
+        self.publisher: Publisher | None = None
+        self.control: ControlServer | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        self.control = ControlServer(self._control)  # first: `edgetune status` answers while we start
+        self.control.start()
+        try:
+            self._startup()
+            self._loop()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _on_stop(self, *_: Any) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def _on_hup(self, *_: Any) -> None:
+        self._reload = True
+        self._wake.set()
+
+    def db(self) -> ResultsDB:
+        """This thread's results DB connection (sqlite3 connections must stay in their thread)."""
+        if not hasattr(self._local, "db"):
+            self._local.db = ResultsDB()
+        return self._local.db
+
+    def _startup(self) -> None:
+        sdnotify.notify(STATUS="starting: probing the hardware")
+        self.hw = probe(measure_bandwidth=True)
+        self.model = model_info()
+        self.pairs = self._configured()
+        self.active_doc = self.db().active_document()
+        self.store = DaemonStore()
+        self.session = self.store.next_session()
+        self.outbox = Outbox(max_bytes=self.cfg.outbox.max_bytes, max_age_s=self.cfg.outbox.max_age_s)
+        self.journal = Journal()
+        self.telemetry = Telemetry(self.store.next_seq)
+        self.publisher = Publisher(self.outbox, Topics(self.cfg.device_id), broker=bool(self.cfg.mqtt.host))
+        self.commands = Commands(self.journal, self.publisher.response, self._check, self._execute)
+        self.scheduler = Scheduler(self.hw, self, self.cfg.idle_load_threshold)
+        self.ops = ThreadPoolExecutor(1, thread_name_prefix="ops")
+        log.info("edgetune daemon %s: device %s, session %d, hw %s, fw %s, %d workload(s) configured", __version__,
+                 self.cfg.device_id, self.session, self.hw.hw_fingerprint, self.hw.fw_fingerprint, len(self.pairs))
+        self.journal.prune()
+        self.commands.interrupted()
+        records.sweep(self.db(), self.store, self.publisher, self.cfg.device_id, self.hw, self.model)
+        self._start_link()
+        self._ready = True
+        sdnotify.notify(READY=1, STATUS=self._status_line())
+        self.scheduler.start()
+        self._first_plan()
+
+    def _configured(self) -> list[targets.Pair]:
+        try:
+            return targets.configured(self.cfg.tuning.workloads)
+        except BadInput as e:  # a workloads file broke after the config was checked: tune nothing, say why
+            log.error("workloads: %s", e)
+            return []
+
+    def _start_link(self) -> None:
+        if not self.cfg.mqtt.host:
+            log.info("no broker configured: tuning locally, records kept for a broker added later")
+            return
+        topics = self.publisher.topics
+        self.link = Link(self.cfg.mqtt, topics, self.outbox,
+                         will=lambda: encode(status_doc("lost", self.session)),
+                         on_connected=self._connected, on_command=self.commands.handle)
+        self.publisher.wake = self.link.wake
+        self.link.start()
+        self.link.attempted.wait(CONNECT_TIMEOUT_S + 1)
+
+    def _connected(self) -> None:
+        """Every (re)connect: status online, and the retained documents afresh (the broker may have lost them)."""
+        self.publisher.status("online", self.session)
+        self.publisher.info(self._info())
+        self.publisher.config_active(self.active_doc)
+
+    def _info(self) -> dict:
+        return info_doc(self.cfg.device_id, self.hw, self.model, self.cfg.tuning, self.pairs)
+
+    def _first_plan(self) -> None:
+        """A firmware change (marker from an update hook, or a new fw_fingerprint) retunes everything; otherwise
+        only what has no current result is tuned, in the background."""
+        prev_fw = self.store.get("fw_fingerprint")
+        marker = firmware.read_marker()
+        if marker or (prev_fw and prev_fw != self.hw.fw_fingerprint):
+            self._firmware_changed(str((marker or {}).get("source", "fw_fingerprint")))
+            firmware.clear_marker()
+        else:
+            self._plan()
+        self.store.set("fw_fingerprint", self.hw.fw_fingerprint)
+
+    def _plan(self) -> None:
+        todo = targets.plan(self.db(), self.hw, self.model, self.pairs)
+        for t, why in todo:
+            log.info("needs tuning: %s (%s)", t.name, why)
+        if todo:
+            self.scheduler.submit(Job({t.name: t for t, _ in todo}, self.cfg.tuning.strategy,
+                                      self.cfg.tuning.budget, "daemon", wait_idle=True))
+
+    def _firmware_changed(self, source: str) -> Command | None:
+        """Retune everything, forced. The old configs stay active until new ones are measured (the tuner replaces
+        an entry only when its session finishes)."""
+        log.info("firmware changed (%s): retuning every workload", source)
+        try:
+            return self.commands.local("retune", {"force": True}, "firmware-hook", note=f"firmware changed ({source})")
+        except BadInput as e:  # nothing configured to tune: journaled as rejected, nothing else to do
+            log.error("firmware retune: %s", e)
+            return None
+
+    def _loop(self) -> None:
+        watchdog = sdnotify.watchdog_interval()
+        next_tel = time.monotonic() + self.cfg.telemetry_interval_s
+        next_wd = time.monotonic()
+        while not self._stop:
+            now = time.monotonic()
+            if self._reload:
+                self._reload = False
+                self._reload_config()
+                next_tel = min(next_tel, now + self.cfg.telemetry_interval_s)
+            if now >= next_tel:
+                self.publisher.telemetry(self.telemetry.sample(self.state))
+                sdnotify.notify(STATUS=self._status_line())
+                next_tel = max(next_tel + self.cfg.telemetry_interval_s, now)
+            if watchdog and now >= next_wd:
+                if self._healthy():
+                    sdnotify.notify(WATCHDOG=1)
+                next_wd = now + watchdog
+            wait = min(next_tel, next_wd if watchdog else next_tel) - time.monotonic()
+            self._wake.wait(max(0.0, wait))
+            self._wake.clear()
+
+    def _healthy(self) -> bool:
+        """No watchdog ping if a worker thread died: systemd then restarts a daemon that stopped working."""
+        dead = [n for n, t in (("tuner", self.scheduler), ("mqtt", self.link), ("control", self.control))
+                if t is not None and not t.alive()]
+        if dead:
+            log.error("thread(s) died: %s; withholding the watchdog ping", ", ".join(dead))
+        return not dead
+
+    def _shutdown(self) -> None:
+        self._stop = True
+        sdnotify.notify(STOPPING=1, STATUS="stopping")
+        if self.scheduler:
+            left = self.scheduler.stop()
+            for cid in left.command_ids if left else ():
+                self.commands.update(cid, "failed", reason="interrupted")
+        if self.ops:
+            self.ops.shutdown(wait=True)
+        if self.publisher:
+            self.publisher.status("offline", self.session)
+        if self.link:
+            if not self.link.flush(FLUSH_TIMEOUT_S):
+                log.warning("stopping with %d message(s) still queued; they go out after the next start",
+                            self.outbox.depth()[0])
+            self.link.stop()
+        if self.control:
+            self.control.stop()
+        log.info("stopped")
+
+    @property
+    def state(self) -> str:
+        if self._stop:
+            return "stopping"
+        if not self._ready:
+            return "starting"
+        return self.scheduler.state
+
+    def _status_line(self) -> str:
+        job = self.scheduler.snapshot()["job"] if self.scheduler else None
+        broker = "no broker" if not self.link else ("connected" if self.link.connected else "disconnected")
+        doing = f"{job['message'] or 'tuning'} ({job['progress']:.0%})" if job else self.state
+        return f"{doing}; broker {broker}; outbox {self.outbox.depth()[0]}"
+
+    # ---- config reload (SIGHUP) ----------------------------------------------------------------------------
+
+    def _reload_config(self) -> None:
+        loaded = config_mod.load(self.config_path)
+        if loaded.problems:
+            for p in loaded.problems:
+                log.error("config reload: %s", p)
+            log.error("config reload refused: keeping the running config")
+            return
+        old, new = self.cfg, loaded.config
+        self.cfg = new
+        self.outbox.max_bytes, self.outbox.max_age_s = new.outbox.max_bytes, new.outbox.max_age_s
+        self.scheduler.idle_threshold = new.idle_load_threshold
+        self.pairs = self._configured()
+        if new.mqtt != old.mqtt or new.device_id != old.device_id:
+            log.info("config reload: broker settings changed, reconnecting")
+            if self.link:
+                self.publisher.status("offline", self.session)
+                self.link.flush(FLUSH_TIMEOUT_S)
+                self.link.stop()
+                self.link = None
+            self.publisher.topics = Topics(new.device_id)
+            self.publisher.broker = bool(new.mqtt.host)
+            self._start_link()
+        else:
+            self.publisher.info(self._info())
+        log.info("config reloaded from %s", ", ".join(loaded.files) or "defaults")
+        self._plan()
+
+    # ---- commands ------------------------------------------------------------------------------------------
+
+    def _check(self, cmd: Command) -> None:
+        if cmd.op == "retune":
+            targets.select(self.pairs, cmd.args.get("kernels"), cmd.args.get("workloads"))
+
+    def _execute(self, cmd: Command) -> None:
+        if cmd.op != "retune":
+            self.ops.submit(self._run_op, cmd)
+            return
+        a = cmd.args
+        pairs = targets.select(self.pairs, a.get("kernels"), a.get("workloads"))
+        ts = [targets.Target(s, w, force=bool(a.get("force"))) for s, w in pairs]
+        firmware_hook = cmd.origin == "firmware-hook"
+        self.scheduler.submit(Job({t.name: t for t in ts}, a.get("strategy", self.cfg.tuning.strategy),
+                                  a.get("budget", self.cfg.tuning.budget), "firmware-hook" if firmware_hook else "cmd",
+                                  [cmd.id], wait_idle=firmware_hook))
+
+    def _run_op(self, cmd: Command) -> None:
+        try:
+            if cmd.op == "ping":
+                result = {"pong": True, "version": __version__, "session": self.session, "state": self.state}
+            elif cmd.op == "probe":
+                result = self._reprobe()
+            else:  # report
+                self.active_doc = self.db().active_document()
+                self.publisher.config_active(self.active_doc)
+                result = {"config_active": self.active_doc, "last_tune": self._last_tune()}
+        except Exception as e:
+            log.exception("command %s (%s) failed", cmd.id, cmd.op)
+            self.commands.update(cmd.id, "failed", reason=f"{type(e).__name__}: {e}")
+            return
+        self.commands.update(cmd.id, "succeeded", result=result)
+
+    def _reprobe(self) -> dict:
+        """Probe again and republish info; a new fw_fingerprint is a firmware change."""
+        hw = probe(measure_bandwidth=True)
+        old_fw, self.hw = self.hw.fw_fingerprint, hw
+        self.scheduler.hw = hw
+        self.publisher.info(self._info())
+        changed = hw.fw_fingerprint != old_fw
+        if changed:
+            self.store.set("fw_fingerprint", hw.fw_fingerprint)
+            self._firmware_changed("probe")
+        return {"hw_fingerprint": hw.hw_fingerprint, "fw_fingerprint": hw.fw_fingerprint, "fw_changed": changed}
+
+    # ---- scheduler events (tuner thread) -------------------------------------------------------------------
+
+    def job_started(self, job: Job) -> None:
+        log.info("tuning %d workload(s) (%s)", len(job.targets), job.origin)
+        for cid in job.command_ids:
+            self.commands.update(cid, "in_progress", progress=0.0, message=f"tuning {len(job.targets)} workload(s)")
+        sdnotify.notify(STATUS=self._status_line())
+
+    def job_progress(self, job: Job, fraction: float, message: str) -> None:
+        now = time.monotonic()
+        if now - self._progress_at < PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        for cid in job.command_ids:
+            self.commands.update(cid, "in_progress", progress=round(fraction, 4), message=message)
+
+    def tuned(self, db: ResultsDB, target: targets.Target, result: dict | None) -> None:
+        self.active_doc = db.active_document()
+        self.publisher.config_active(self.active_doc)
+        records.sweep(db, self.store, self.publisher, self.cfg.device_id, self.hw, self.model)
+
+    def job_finished(self, job: Job, outcome: Outcome) -> None:
+        for cid in job.command_ids:
+            if outcome.interrupted:
+                self.commands.update(cid, "failed", reason="interrupted", result={"tuned": outcome.tuned})
+            elif outcome.failed:
+                self.commands.update(cid, "failed", reason=f"{len(outcome.failed)} of {len(job.targets)} "
+                                     f"workload(s) failed: {outcome.failed[0]['reason']}",
+                                     result={"tuned": outcome.tuned, "failed": outcome.failed})
+            else:
+                self.commands.update(cid, "succeeded", result={"tuned": outcome.tuned})
+        sdnotify.notify(STATUS=self._status_line())
+
+    # ---- local control -------------------------------------------------------------------------------------
+
+    def _last_tune(self) -> dict | None:
+        kernels = self.active_doc.get("kernels", {})
+        if not kernels:
+            return None
+        name, e = max(kernels.items(), key=lambda kv: kv[1].get("tuned_at") or 0)
+        return {"target": name, **{k: e.get(k) for k in ("tuned_at", "ms", "default_ms", "speedup", "evals",
+                                                           "strategy", "session_id")}}
+
+    def status(self) -> dict:
+        sched = self.scheduler.snapshot() if self.scheduler else {"job": None, "queue": None}
+        out: dict[str, Any] = {"ok": True, "pid": os.getpid(), "version": __version__,
+                               "device_id": self.cfg.device_id, "state": self.state,
+                               "uptime_s": round(time.monotonic() - self._t0, 1)}
+        if self._ready:
+            count, size = self.outbox.depth()
+            out |= {"session": self.session, "job": sched["job"], "queue": sched["queue"],
+                    "broker": self.link.snapshot() if self.link else {"configured": False},
+                    "outbox": {"messages": count, "bytes": size, "dropped": self.outbox.dropped},
+                    "last_tune": self._last_tune(), "workloads": len(self.pairs)}
+        return out
+
+    def _control(self, req: dict, send: Any) -> None:
+        op = req.get("op")
+        if op == "ping":
+            send({"ok": True, "pong": True, "version": __version__, "state": self.state})
+        elif op == "status":
+            send(self.status())
+        elif not self._ready or self._stop:
+            send({"ok": False, "error": f"the daemon is {self.state}; try again in a moment", "exit": 1})
+        elif op == "retune":
+            self._control_retune(req, send)
+        elif op == "notify" and req.get("event") == "firmware-changed":
+            cmd = self._firmware_changed(str(req.get("source", "unknown")))
+            send({"ok": True, "id": cmd.id if cmd else None})
+        else:
+            send({"ok": False, "error": f"unknown request {str(op)[:40]!r}", "exit": 2})
+
+    def _control_retune(self, req: dict, send: Any) -> None:
+        args = {k: req[k] for k in ("kernels", "workloads", "strategy", "budget", "force")
+                if req.get(k) not in (None, False)}
+        try:
+            cmd = self.commands.local("retune", args, "local")
+        except EdgetuneError as e:
+            send({"ok": False, "error": str(e), "exit": e.exit_code})
+            return
+        if not req.get("wait"):
+            send({"ok": True, **self.journal.response(cmd.id)})
+            return
+        updates: queue.Queue[dict] = queue.Queue()
+        unwatch = self.commands.watch(cmd.id, updates.put)
+        try:
+            doc = self.journal.response(cmd.id)
+            while True:
+                send({"ok": True, **doc})
+                if doc["status"] in TERMINAL:
+                    return
+                doc = updates.get()
+        finally:
+            unwatch()

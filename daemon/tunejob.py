@@ -1,0 +1,99 @@
+"""One tune in a child process (`python -m daemon.tunejob`), so the long-lived daemon stays small and safe.
+
+Tuning loads onnxruntime (the ORT twin), grows numpy buffers and drives compilers; none of that can be unloaded
+from a process afterwards, and a crash in it must not take the daemon down. So the daemon runs each workload's
+tune here and keeps only what it reports.
+
+Protocol: the daemon writes one JSON request line to stdin; the child writes JSON lines to stdout:
+{"progress": [done, total, message]} per measurement, then one of {"result": TuneResult}, {"error": reason} or
+{"stopped": true}. SIGTERM (also sent if the daemon dies, via PR_SET_PDEATHSIG) ends the tune right after the
+measurement in flight has been journaled, so the session resumes from its journal next time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+class Stopping(Exception):
+    pass
+
+
+def request(spec: Any, wl: Any, *, force: bool, strategy: str, budget: int, origin: str, hw: Any) -> dict:
+    return {"kernel": spec.name, "workload": {"name": wl.name, "shape": wl.shape, "source": wl.source},
+            "force": force, "strategy": strategy, "budget": budget, "origin": origin, "hw": hw.to_dict()}
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: a dead parent shows up as a broken stdout pipe instead
+        return
+    if os.getppid() != parent:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "w")  # the protocol channel; anything else printed, by C libraries too, goes
+    os.dup2(2, 1)  # to stderr (the daemon's log) instead of corrupting it
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    _die_with_parent(int(os.environ.get("EDGETUNE_DAEMON_PID", os.getppid())))
+
+    from edgetune import paths
+    from edgetune.errors import EdgetuneError
+    from hwprobe.descriptor import HwDescriptor
+    from kernels.registry import get_spec
+    from kernels.spec import Workload
+    from kernels.worker import Runner
+    from tuner.db import ResultsDB
+    from tuner.session import Budget, Session
+
+    def send(doc: dict) -> None:
+        out.write(json.dumps(doc, default=str) + "\n")
+        out.flush()
+
+    req = json.loads(sys.stdin.readline())
+    spec = get_spec(req["kernel"])
+    w = req["workload"]
+    wl = Workload(w["name"], w["shape"], w["source"])
+
+    def progress(done: int, total: int, msg: str) -> None:
+        if stop["now"]:
+            raise Stopping
+        send({"progress": [done, total, msg]})
+
+    # one tune at a time per state dir: after a kill -9 of the daemon, the orphaned child may still be finishing
+    # its last measurement when the restarted daemon starts the same (resumable) session
+    lock = open(paths.state_dir() / "tune.lock", "w")  # held until this process exits
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    db = ResultsDB()
+    try:
+        with Runner() as runner:
+            res = Session(db, runner, HwDescriptor.from_dict(req["hw"])).tune(
+                spec, wl, strategy=req["strategy"], budget=Budget(evals=req["budget"]), force=req["force"],
+                origin=req["origin"], progress=progress)
+        send({"result": res.to_dict()})
+    except Stopping:
+        logging.getLogger(__name__).info("%s/%s checkpointed after its last measurement", spec.name, wl.name)
+        send({"stopped": True})
+    except EdgetuneError as e:
+        send({"error": str(e)})
+    finally:
+        db.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The daemon as a real process against a real mosquitto: publish contract, lifecycle, will, firmware hook."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import stat
+
+from tests.test_daemon_support import Bus, DaemonProc, daemon_config, retained
+
+DEV = "edgetune/v1/dev-test"
+
+
+def test_end_to_end_publishes_contract_and_stops_offline(tmp_path, mosquitto):
+    bus = Bus(mosquitto)
+    d = DaemonProc(daemon_config(tmp_path, mosquitto, telemetry_interval_s=0.5)).start()
+    try:
+        online = bus.on("/status", lambda s: s["state"] == "online")
+        assert online["session"] == 1 and online["version"] and online["ts"]
+
+        info = bus.on("/info")
+        assert info["device_id"] == "dev-test"
+        assert info["hw_fingerprint"] == info["hw"]["hw_fingerprint"] and info["fw_fingerprint"]
+        assert info["model"] is None or set(info["model"]) == {"name", "version", "sha256"}
+        assert "gemm" in info["kernels"]
+        assert set(info["commands"]) == {"retune", "probe", "report", "ping"}
+        assert info["tuning"]["targets"] == ["gemm/kws_dscnn.fc"]
+
+        active = bus.on("/config/active", lambda a: "gemm/kws_dscnn.fc" in a["kernels"])
+        entry = active["kernels"]["gemm/kws_dscnn.fc"]
+        assert {"config", "ms", "default_ms", "speedup", "evals", "tuning_s", "strategy"} <= set(entry)
+        assert active["hw_fingerprint"] == info["hw_fingerprint"]
+        assert active["fw_fingerprint"] == info["fw_fingerprint"]
+
+        rec = bus.on("/tuning/record")
+        assert rec["kernel"] == "gemm" and rec["workload"] == "kws_dscnn.fc" and rec["state"] == "done"
+        assert rec["origin"] == "daemon" and rec["device_id"] == "dev-test" and rec["record_id"]
+        assert len(rec["measurements"]) >= 3
+        assert all({"config", "stats", "ok"} <= set(m) for m in rec["measurements"])
+
+        tel = bus.on("/telemetry")
+        assert set(tel) == {"seq", "boot_id", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss",
+                            "state"}
+        assert tel["rss"] > 0 and tel["state"] in ("idle", "tuning", "waiting-idle")
+
+        assert retained(mosquitto, f"{DEV}/info")["device_id"] == "dev-test"
+        assert "gemm/kws_dscnn.fc" in retained(mosquitto, f"{DEV}/config/active")["kernels"]
+
+        st = json.loads(d.cli("status", "--json").stdout)
+        assert st["broker"]["connected"] and st["broker"]["protocol"] == "5"
+        assert st["last_tune"]["target"] == "gemm/kws_dscnn.fc"
+        assert d.cli("ping").returncode == 0
+        sock = os.stat(os.path.join(d.env["RUNTIME_DIRECTORY"], "control.sock"))
+        assert stat.S_IMODE(sock.st_mode) == 0o660
+
+        assert d.signal(signal.SIGTERM) == 0
+        assert retained(mosquitto, f"{DEV}/status")["state"] == "offline"
+        assert "Traceback" not in d.log
+    finally:
+        d.stop()
+        bus.close()
+
+
+def test_kill9_leaves_lost_and_restart_reports_interrupted_command(tmp_path, mosquitto):
+    d = DaemonProc(daemon_config(tmp_path, mosquitto)).start()
+    bus = Bus(mosquitto, (f"{DEV}/status", f"{DEV}/cmd/res/#"))
+    try:
+        bus.on("/status", lambda s: s["state"] == "online" and s["session"] == 1)
+        bus.publish(f"{DEV}/cmd/req", json.dumps({"id": "k9", "op": "retune", "args": {
+            "workloads": ["gemm/kws_dscnn.pw4"], "force": True, "budget": 40}}))
+        bus.on("/cmd/res/k9", lambda c: c["status"] == "in_progress" and "best" in (c["message"] or ""), 60)
+        d.kill9()
+        lost = bus.on("/status", lambda s: s["state"] == "lost")
+        assert lost["session"] == 1
+        assert retained(mosquitto, f"{DEV}/status")["state"] == "lost"
+        d.start()
+        bus.on("/status", lambda s: s["state"] == "online" and s["session"] == 2)
+        failed = bus.on("/cmd/res/k9", lambda c: c["status"] == "failed")
+        assert failed["reason"] == "interrupted"
+    finally:
+        d.stop()
+        bus.close()
+
+
+def test_sigterm_mid_tune_checkpoints_and_exits_0(tmp_path, mosquitto):
+    d = DaemonProc(daemon_config(tmp_path, mosquitto)).start()
+    bus = Bus(mosquitto, (f"{DEV}/status", f"{DEV}/cmd/res/#"))
+    try:
+        bus.on("/status", lambda s: s["state"] == "online")
+        bus.publish(f"{DEV}/cmd/req", json.dumps({"id": "term", "op": "retune", "args": {
+            "workloads": ["gemm/kws_dscnn.pw4"], "force": True, "budget": 40}}))
+        bus.on("/cmd/res/term", lambda c: c["status"] == "in_progress" and "best" in (c["message"] or ""), 60)
+        assert d.signal(signal.SIGTERM, timeout=30) == 0
+        assert bus.on("/cmd/res/term", lambda c: c["status"] == "failed")["reason"] == "interrupted"
+        assert bus.on("/status", lambda s: s["state"] == "offline")["session"] == 1
+        with sqlite3.connect(d.state_dir / "results.db") as db:
+            state, n = db.execute("SELECT s.state, count(m.id) FROM sessions s JOIN measurements m "
+                                  "ON m.session_id = s.id WHERE s.workload = 'kws_dscnn.pw4'").fetchone()
+        assert state == "running" and n >= 1  # checkpointed: the journaled measurements stay for a resume
+    finally:
+        d.stop()
+        bus.close()
+
+
+def test_cli_says_daemon_down(tmp_path):
+    d = DaemonProc(daemon_config(tmp_path, None))
+    for verb in (["status"], ["ping"], ["retune"]):
+        r = d.cli(*verb)
+        assert r.returncode == 1 and "not running" in r.stderr
+
+
+def test_no_broker_still_tunes(tmp_path):
+    d = DaemonProc(daemon_config(tmp_path, None)).start()
+    try:
+        st = d.wait_status(lambda s: s.get("last_tune") is not None and s["state"] == "idle")
+        assert st["broker"] == {"configured": False}
+        assert st["outbox"]["messages"] == 1  # only the tuning record is kept for a broker added later
+        assert d.signal(signal.SIGINT) == 0
+    finally:
+        d.stop()
+
+
+def test_firmware_marker_and_notify_retune_everything(tmp_path, mosquitto):
+    d = DaemonProc(daemon_config(tmp_path, mosquitto))
+    r = d.cli("notify", "firmware-changed", "--source", "mender", "--json")  # daemon down: leaves the marker
+    assert r.returncode == 0 and json.loads(r.stdout)["delivered"] is False
+    marker = d.state_dir / "firmware-changed"
+    assert json.loads(marker.read_text())["source"] == "mender"
+
+    bus = Bus(mosquitto)
+    d.start()
+    try:
+        done = bus.on("/cmd/res/", lambda c: c["origin"] == "firmware-hook" and c["status"] == "succeeded", 60)
+        assert done["id"].startswith("firmware-hook-") and done["op"] == "retune"
+        assert not marker.exists()
+
+        r = d.cli("notify", "firmware-changed", "--source", "rauc", "--json")
+        cid = json.loads(r.stdout)["command_id"]
+        assert r.returncode == 0 and cid.startswith("firmware-hook-")
+        bus.on(f"/cmd/res/{cid}", lambda c: c["status"] == "succeeded", 60)
+        with sqlite3.connect(d.state_dir / "results.db") as db:
+            origins = [o for (o,) in db.execute("SELECT origin FROM sessions ORDER BY id")]
+        assert origins == ["firmware-hook", "firmware-hook"]  # forced: a new session each time
+
+        assert d.signal(signal.SIGTERM) == 0  # a new fw_fingerprint seen at start is a firmware change too
+        with sqlite3.connect(d.state_dir / "daemon.db") as db:
+            db.execute("""UPDATE kv SET value='"an older firmware"' WHERE key='fw_fingerprint'""")
+        d.start()
+        res = bus.on("/cmd/res/", lambda c: c["origin"] == "firmware-hook" and "fw_fingerprint" in (c["message"] or ""))
+        bus.on(f"/cmd/res/{res['id']}", lambda c: c["status"] == "succeeded", 60)
+    finally:
+        d.stop()
+        bus.close()
+
+
+def test_sd_notify_ready_watchdog_status(tmp_path, mosquitto):
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(30)
+    env = dict(os.environ, NOTIFY_SOCKET=str(path), WATCHDOG_USEC="400000")
+    d = DaemonProc(daemon_config(tmp_path, mosquitto), env=env).start()
+    try:
+        got: list[str] = []
+        while got.count("WATCHDOG=1") < 2:
+            got += sock.recv(4096).decode().splitlines()
+        assert "READY=1" in got and got.index("READY=1") < got.index("WATCHDOG=1")
+        assert any(line.startswith("STATUS=") for line in got[:got.index("READY=1") + 2])
+        assert d.signal(signal.SIGTERM) == 0
+        while "STOPPING=1" not in got:
+            got += sock.recv(4096).decode().splitlines()
+    finally:
+        d.stop()
+        sock.close()
