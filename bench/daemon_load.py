@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from daemon import control  # noqa: E402
-from daemon.config import MqttConfig  # noqa: E402
+from edgetune.config import MqttConfig  # noqa: E402
 from daemon.mqtt import Link  # noqa: E402
 from daemon.outbox import Outbox  # noqa: E402
 from daemon.topics import Topics  # noqa: E402

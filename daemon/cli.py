@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Any
 
-from daemon import config as config_mod
+from edgetune import config as config_mod
 from daemon import control, firmware
 from edgetune.errors import BadInput
 from edgetune.output import console, emit, fmt, json_flag, progress, table

@@ -27,7 +27,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from daemon.config import MqttConfig
+from edgetune.config import MqttConfig
 from daemon.outbox import Outbox
 from daemon.topics import Topics
 

@@ -39,6 +39,8 @@ class Job:
     origin: str  # daemon | cmd | firmware-hook: the session origin in the results DB
     command_ids: list[str] = field(default_factory=list)
     wait_idle: bool = False
+    objective: str = "latency"
+    power: dict = field(default_factory=dict)  # the [power] meter config, for energy/edp objectives
 
     def merge(self, later: "Job") -> None:
         """Coalesce a later request: union of targets (force if either forces), the later strategy and budget."""
@@ -46,6 +48,7 @@ class Job:
             old = self.targets.get(name)
             self.targets[name] = Target(t.spec, t.workload, force=t.force or bool(old and old.force))
         self.strategy, self.budget = later.strategy, later.budget
+        self.objective, self.power = later.objective, later.power
         self.origin = max(self.origin, later.origin, key=ORIGIN_RANK.index)
         self.command_ids += later.command_ids
         self.wait_idle = self.wait_idle and later.wait_idle
@@ -188,7 +191,7 @@ class Scheduler:
         env = dict(os.environ, EDGETUNE_DAEMON_PID=str(os.getpid()))
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         req = tunejob.request(t.spec, t.workload, force=t.force, strategy=job.strategy, budget=job.budget,
-                              origin=job.origin, hw=self.hw)
+                              origin=job.origin, hw=self.hw, objective=job.objective, power=job.power)
         # its own session: a terminal's ^C must not reach the child and its measuring worker mid-measurement;
         # the daemon decides, and stops it with SIGTERM
         with subprocess.Popen([sys.executable, "-m", "daemon.tunejob"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

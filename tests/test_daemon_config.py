@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from daemon import config
+from edgetune import config
 from tests.test_daemon_support import DaemonProc
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import MqttConfig, TlsConfig
+from edgetune.config import MqttConfig, TlsConfig
 from daemon.mqtt import Link
 from daemon.outbox import Outbox
 from daemon.topics import Topics

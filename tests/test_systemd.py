@@ -89,7 +89,7 @@ def test_sysusers_creates_user_in_dialout(tmp_path) -> None:
 
 def test_example_config_is_valid() -> None:
     """Uncommenting every "# key = value" line must give a config the daemon and the power module accept."""
-    from daemon.config import DaemonConfig, load
+    from edgetune.config import DaemonConfig, load
     from hwprobe.power import TextMeter, meter_from_config
 
     text = (SYSTEMD / "edgetune.toml.example").read_text()

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from edgetune.config import OBJECTIVES, config_files, load_or_raise
 from edgetune.errors import BadInput, EdgetuneError
+from hwprobe.power import meter_from_config
 from edgetune.output import emit, fmt, json_flag, progress, table
 from kernels.build import build
 from kernels.measure import TIE_THRESHOLD
@@ -20,6 +22,7 @@ from kernels.worker import Runner
 from kernels.workloads import resolve
 from tuner.db import ResultsDB
 from tuner.export import to_c_header
+from tuner.objective import Objective
 from tuner.session import Budget, Session
 from tuner.strategies import STRATEGIES
 
@@ -39,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="retune even if this key is already tuned")
     p.add_argument("--isa", help="cap the ISA, e.g. x86-64-v3")
+    p.add_argument("--objective", choices=OBJECTIVES,
+                   help="what to minimise (default: the config's tuning.objective, else latency); "
+                        "energy and edp read the [power] meter from the config")
+    p.add_argument("--config", help="config file (default: /etc/edgetune/edgetune.toml + conf.d/)")
     p.add_argument("--reset", action="store_true", help="move a corrupt results DB aside first (never deletes)")
     json_flag(p)
     p.set_defaults(func=cmd_tune)
@@ -136,7 +143,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     hw = _hw(args.isa)
     db = open_db(args.reset)
     results, failures = [], []
+    # the config matters only for the objective: read it when asked for energy/edp, or when one exists to say so
+    cfg = load_or_raise(args.config) if args.objective != "latency" and (args.objective or config_files(args.config)) \
+        else None
+    objective_name = args.objective or (cfg.tuning.objective if cfg else "latency")
+    meter = meter_from_config(cfg.power) if cfg and objective_name != "latency" else None
+    if meter:
+        meter.start()
     with Runner() as runner, progress(not args.json) as bar:
+        objective = Objective.create(objective_name, meter)
         session = Session(db, runner, hw)
         overall = bar.add_task("tuning", total=len(targets)) if bar else None
         for spec, wl in targets:
@@ -148,7 +163,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
             try:
                 res = session.tune(spec, wl, strategy=args.strategy, seed=args.seed, force=args.force,
-                                   budget=Budget(evals=args.budget, seconds=args.seconds), progress=tick)
+                                   budget=Budget(evals=args.budget, seconds=args.seconds), progress=tick,
+                                   objective=objective)
                 results.append(res.to_dict())
             except EdgetuneError as e:
                 if e.exit_code == 2:
@@ -157,13 +173,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
             if bar:
                 bar.update(task, completed=args.budget)
                 bar.advance(overall)
+    if meter:
+        meter.stop()
 
     def render(d: dict) -> None:
-        table("tuned", ["kernel", "workload", "best config", "ms", "default ms", "speedup", "evals", "tuning s",
-                        "strategy"], [
+        energy = any(r["energy_j"] for r in d["results"])
+        table("tuned", ["kernel", "workload", "best config", "ms", "default ms", "speedup"]
+              + (["uJ/call", "default uJ/call"] if energy else []) + ["evals", "tuning s", "strategy"], [
             [r["kernel"], r["workload"], format_config(r["config"]), fmt(r["ms"], 4), fmt(r["default_ms"], 4),
-             fmt(r["speedup"], 2) + ("x" if r["speedup"] else ""), r["evals"],
-             fmt(r["tuning_s"], 1) + (" (cached)" if r["cached"] else ""), r["strategy"]] for r in d["results"]])
+             fmt(r["speedup"], 2) + ("x" if r["speedup"] else "")]
+            + ([fmt(r["energy_j"] and r["energy_j"] * 1e6, 2), fmt(r["default_energy_j"] and r["default_energy_j"] * 1e6, 2)]
+               if energy else [])
+            + [r["evals"], fmt(r["tuning_s"], 1) + (" (cached)" if r["cached"] else ""),
+               r["strategy"] + (f" ({r['objective']})" if r["objective"] != "latency" else "")] for r in d["results"]])
+        for r in d["results"]:
+            if r["objective_note"]:
+                from edgetune.output import err_console
+
+                err_console.print(f"{r['kernel']}/{r['workload']}: ranked by latency: {r['objective_note']}")
         for f in d["failures"]:
             from edgetune.output import err_console
 

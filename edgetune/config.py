@@ -1,4 +1,8 @@
-"""Daemon config: TOML at <config_dir>/edgetune.toml plus conf.d/*.toml merged in name order, or one --config file.
+"""The config: TOML at <config_dir>/edgetune.toml plus conf.d/*.toml merged in name order, or one --config file.
+
+It lives in the base package because verbs of several layers read it (the daemon; `tune --objective` reads
+[power]). Checks that need a higher layer's vocabulary (strategies, workload files, power meters) import it
+lazily, only while checking.
 
 Every problem is collected with its file and key instead of stopping at the first, so `edgetune config check` can
 show an operator the whole list in one go. A key whose value is wrong is reported and left at its default.
@@ -18,7 +22,7 @@ from typing import Any, Callable
 from edgetune import paths
 from edgetune.errors import BadInput
 
-OBJECTIVES = ("latency",)  # issue 6 adds energy and edp
+OBJECTIVES = ("latency", "energy", "edp")  # what tuning minimises (tuner.objective)
 DEVICE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")  # one MQTT topic level, also the client id
 MACHINE_ID = Path("/etc/machine-id")
 
@@ -74,6 +78,7 @@ class DaemonConfig:
     mqtt: MqttConfig = field(default_factory=MqttConfig)
     outbox: OutboxConfig = field(default_factory=OutboxConfig)
     tuning: TuningConfig = field(default_factory=TuningConfig)
+    power: dict = field(default_factory=dict)  # [power]: the meter, checked by hwprobe.power.meter_from_config
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,8 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
         return _type_ok(value, next(a for a in args if a is not type(None)))
     if typing.get_origin(hint) is list:
         return isinstance(value, list) and all(isinstance(x, str) for x in value), value
+    if hint is dict:
+        return isinstance(value, dict), value
     if hint is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         return ok, float(value) if ok else value
@@ -266,6 +273,15 @@ def _cross_checks(cfg: DaemonConfig, sources: dict[str, str]) -> list[Problem]:
             out.append(Problem(src("tuning.workloads"), "tuning.workloads", "selects no workloads"))
     except BadInput as e:
         out.append(Problem(src("tuning.workloads"), "tuning.workloads", str(e)))
+    from hwprobe.power import meter_from_config
+
+    try:
+        meter = meter_from_config(cfg.power)
+        if cfg.tuning.objective != "latency" and meter is None:
+            out.append(Problem(src("tuning.objective"), "tuning.objective",
+                               f"{cfg.tuning.objective!r} needs a power meter: set [power] meter (text, um or rapl)"))
+    except BadInput as e:
+        out.append(Problem(src("power.meter"), "power", str(e)))
     return out
 
 
