@@ -9,6 +9,7 @@ just re-activate the old cached result.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from edgetune.errors import BadInput
@@ -18,7 +19,6 @@ from kernels.workload_files import load_workload_files
 from kernels.workloads import resolve
 from tuner.db import ResultsDB
 from tuner.session import result_key
-from tuner.strategies import STRATEGIES
 
 Pair = tuple[KernelSpec, Workload]
 
@@ -78,8 +78,9 @@ def stale(db: ResultsDB, hw: Any, model: dict | None, spec: KernelSpec, wl: Work
     # only entries that record a model version can be out of date with the model
     if "model_version" in entry and entry["model_version"] != (model or {}).get("version"):
         return "model changed", True
-    strategy = STRATEGIES.get(entry.get("strategy", ""))
-    if strategy is None or entry.get("key") != result_key(spec, wl, hw, strategy):  # the key reads name+version
+    # the key covers kernel source, shape, hw, isa, compiler, strategy and objective: recompute it as it was made
+    made_by = SimpleNamespace(name=entry.get("strategy", ""), version=entry.get("strategy_version", ""))
+    if entry.get("key") != result_key(spec, wl, hw, made_by, entry.get("objective", "latency")):
         return "kernel source, shape or strategy changed", False
     return None
 

@@ -64,7 +64,7 @@ class OutboxConfig:
 
 @dataclass
 class TuningConfig:
-    strategy: str = "anneal"
+    strategy: str = "llm"  # the tuner model; falls back to anneal without a usable model
     budget: int = 40  # evals per workload
     workloads: list[str] = field(default_factory=lambda: ["bundled", str(paths.config_dir() / "workloads.d/*.toml")])
     objective: str = "latency"

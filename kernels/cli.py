@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import numpy as np
@@ -13,7 +12,7 @@ from edgetune.output import emit, fmt, json_flag, progress, table
 from kernels.build import build
 from kernels.registry import all_specs, get_spec
 from kernels.roofline import roofline_fraction
-from kernels.space import format_config
+from kernels.space import config_from_json, format_config
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
 from kernels.workloads import resolve
@@ -90,16 +89,6 @@ def bench_one(spec: KernelSpec, wl: Workload, cfg: dict, hw: Any, runner: Runner
     return row
 
 
-def _parse_config(text: str) -> dict:
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(f"--config is not valid JSON ({e.msg} at column {e.colno}): {text!r}")
-    if not isinstance(cfg, dict):
-        raise BadInput(f"--config must be a JSON object of knobs, got {type(cfg).__name__}")
-    return cfg
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.all:
         targets = [(s, w) for s in all_specs().values() for w in s.workloads]
@@ -114,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         task = bar.add_task("bench", total=len(targets)) if bar else None
         for spec, wl in targets:
             space = spec.space(wl.shape, hw)
-            cfg = space.validate(_parse_config(args.config)) if args.config else space.valid_default()
+            cfg = space.validate(config_from_json(args.config, "--config")) if args.config else space.valid_default()
             if bar:
                 bar.update(task, description=f"{spec.name}/{wl.name}")
             rows.append(bench_one(spec, wl, cfg, hw, runner, args.ort))

@@ -161,3 +161,16 @@ def config_key(cfg: Mapping[str, Any]) -> str:
 
 def format_config(cfg: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def config_from_json(text: str, what: str = "config") -> dict[str, Any]:
+    """Parse a user's JSON config object (CLI, MQTT args); knobs are validated later by SearchSpace.validate."""
+    import json
+
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{what} is not valid JSON ({e.msg} at column {e.colno}): {text!r}")
+    if not isinstance(cfg, dict):
+        raise BadInput(f"{what} must be a JSON object of knobs, got {type(cfg).__name__}")
+    return cfg

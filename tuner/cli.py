@@ -16,7 +16,7 @@ from edgetune.output import emit, fmt, json_flag, progress, table
 from kernels.build import build
 from kernels.measure import TIE_THRESHOLD
 from kernels.registry import all_specs, get_spec
-from kernels.space import format_config
+from kernels.space import config_from_json, format_config
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
 from kernels.workloads import resolve
@@ -233,21 +233,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_config(text: str) -> dict:
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(f"config is not valid JSON ({e.msg} at column {e.colno}): {text!r}")
-    if not isinstance(cfg, dict):
-        raise BadInput(f"config must be a JSON object of knobs, got {type(cfg).__name__}")
-    return cfg
-
-
 def cmd_pin(args: argparse.Namespace) -> int:
     spec = get_spec(args.kernel)
     wl = resolve(spec, None, args.workload) if "=" in args.workload else resolve(spec, args.workload, None)
     hw = _hw(args.isa)
-    cfg = spec.space(wl.shape, hw).validate(_parse_config(args.config))
+    cfg = spec.space(wl.shape, hw).validate(config_from_json(args.config, "config"))
     db = ResultsDB()
     with Runner() as runner:
         m = runner.measure(spec, wl.shape, build(spec, cfg, hw).path)

@@ -89,6 +89,7 @@ class LLMStrategy(_Base):
         self.refiner: Anneal | None = None
         self.since_best = 0
         self.latency_ms: float | None = None
+        self.model_version: str | None = None  # the proposing model's version; None when it fell back
         try:
             from tuner.model.inference import ModelError
 
@@ -96,6 +97,7 @@ class LLMStrategy(_Base):
                 self.proposer = proposer or load_proposer(model_path)
                 self._check_compatible()
                 self.version = f"{STRATEGY_VERSION}-{self.proposer.version}-{self.proposer.m.info.sha256[:12]}"
+                self.model_version = self.proposer.m.info.model_version
             except ModelError as e:
                 self._fall_back(str(e))
         except ImportError as e:  # llama_cpp missing on this device

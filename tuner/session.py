@@ -54,6 +54,8 @@ class TuneResult:
     strategy: str
     session_id: int
     key: str
+    strategy_version: str = ""
+    model_version: str | None = None  # the tuner model behind an llm result: a new model marks results stale
     cached: bool = False
     ort_ms: float | None = None
     failed: int = 0
@@ -72,7 +74,9 @@ class TuneResult:
         return {"config": self.config, "ms": self.ms, "default_ms": self.default_ms, "speedup": self.speedup,
                 "evals": self.evals, "tuning_s": self.tuning_s, "strategy": self.strategy, "shape": self.shape,
                 "ort_ms": self.ort_ms, "tuned_at": self.tuned_at, "session_id": self.session_id, "key": self.key,
-                "objective": self.objective, "energy_j": self.energy_j, "default_energy_j": self.default_energy_j}
+                "objective": self.objective, "energy_j": self.energy_j, "default_energy_j": self.default_energy_j,
+                "strategy_version": self.strategy_version,
+                **({"model_version": self.model_version} if self.model_version else {})}
 
 
 ProgressFn = Callable[[int, int, str], None]  # (evals done, eval budget, message)
@@ -244,6 +248,7 @@ class Session:
             kernel=spec.name, workload=wl.name, shape=wl.shape, config=winner, ms=wm.ms,
             default_ms=dm.ms if dm else None, speedup=(dm.ms / wm.ms) if dm else None, evals=len(evals),
             tuning_s=time.monotonic() - t0, strategy=strat.name, session_id=session_id, key=key, failed=failed,
+            strategy_version=strat.version, model_version=getattr(strat, "model_version", None),
             ort_ms=self._ort_ms(spec, wl), objective=objective.active, objective_note=objective.fallback_reason,
             energy_j=wm.energy_j, default_energy_j=dm.energy_j if dm else None,
         )
