@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 _MIN_BUF, _MAX_BUF = 32 << 20, 64 << 20
 _BUDGET_S = 0.2  # for the timed copies; allocation and first touch come on top
@@ -34,3 +37,27 @@ def measure_gbps(llc_bytes: int | None, mem_total_bytes: int | None) -> float | 
         if t0 > deadline:
             break
     return round(2 * size / best / 1e9, 2)
+
+
+def _memo(hw_fingerprint: str) -> Path:
+    from edgetune import paths
+
+    return paths.cache_dir() / f"bandwidth-{hw_fingerprint}.json"
+
+
+def remember(hw_fingerprint: str, gbps: float) -> None:
+    """Keep the measurement, so later probes that skip measuring (every CLI verb) still describe the device."""
+    p = _memo(hw_fingerprint)
+    tmp = p.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"gbps": gbps, "measured_at": time.time()}))
+        os.replace(tmp, p)
+    except OSError:  # a read-only cache only costs a re-measure later
+        pass
+
+
+def remembered(hw_fingerprint: str) -> float | None:
+    try:
+        return float(json.loads(_memo(hw_fingerprint).read_text())["gbps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -18,7 +18,8 @@ def probe(
     root: str | Path = "/", isa_cap: str | None = None, measure_bandwidth: bool = True, cc: str | None = None
 ) -> HwDescriptor:
     """Describe the device. Missing files give "unknown"/None, never an error; only a bad `isa_cap` raises
-    BadInput. Bandwidth is measured (~0.3 s) only on the live system. The compiler is always this host's."""
+    BadInput. Bandwidth is measured (~0.3 s) only on the live system; without `measure_bandwidth` the last
+    measurement on this hw_fingerprint is used, if any. The compiler is always this host's."""
     root = Path(root)
     live = root.resolve() == Path("/")
     cpu = cpuinfo.parse(root, live)
@@ -30,6 +31,16 @@ def probe(
     llc = max((c.size_bytes or 0 for c in caches), default=None)
     compiler = find_compiler(cc)
     firmware = firmware_info(root, live)
+    fp = hw_fingerprint(cpu.arch, cpu.model, level.isa, level.features, caches, cores, compiler.id)
+    # bandwidth does not depend on an ISA cap: remember it under the uncapped device's fingerprint
+    device = hw_fingerprint(cpu.arch, cpu.model, level.detected_isa, level.features, caches, cores, compiler.id)
+    gbps = None
+    if live and measure_bandwidth:
+        gbps = bandwidth.measure_gbps(llc, mem)
+        if gbps:
+            bandwidth.remember(device, gbps)
+    elif live:
+        gbps = bandwidth.remembered(device)
     return HwDescriptor(
         arch=cpu.arch,
         cpu_model=cpu.model,
@@ -43,9 +54,9 @@ def probe(
         cores_online=len(online(root)) or len(cpu.core_kind) or cores,
         caches=caches,
         mem_total_bytes=mem,
-        bandwidth_gbps=bandwidth.measure_gbps(llc, mem) if live and measure_bandwidth else None,
+        bandwidth_gbps=gbps,
         compiler=compiler,
-        hw_fingerprint=hw_fingerprint(cpu.arch, cpu.model, level.isa, level.features, caches, cores, compiler.id),
+        hw_fingerprint=fp,
         fw_fingerprint=fw_fingerprint(firmware),
         firmware=firmware,
     )

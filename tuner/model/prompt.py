@@ -1,7 +1,7 @@
 """The text the tuner model reads and writes (shared by training and inference; no heavy imports).
 
 Prompt: kernel, workload shape (each dim with its log2 bucket, so nearby sizes share a token) and the hardware
-descriptor (ISA, vector bits, cache sizes, cores, bandwidth). Completion: ` name=value` pairs in space order.
+descriptor (ISA, vector bits, cache sizes, cores, bandwidth as a log2 bucket). Completion: ` name=value` pairs in space order.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def prompt_text(kernel: str, shape: Mapping[str, int], hw: Any) -> str:
     h = hw_fields(hw)
     dims = " ".join(f"{k} {int(v)} ^{max(0, round(math.log2(max(1, int(v)))))}" for k, v in shape.items())
     bw = h.get("bandwidth_gbps")
-    bw_txt = f"bw{int(round(bw))}" if bw else "bw?"
+    # a log2 bucket: run-to-run noise (13.0 vs 14.2 GB/s) must not change the prompt
+    bw_txt = f"bw^{max(0, round(math.log2(bw)))}" if bw else "bw?"
     return (f"{kernel} {dims} | {h['isa']} v{h['vector_bits']} L1 {_kb(h['l1d'])} L2 {_kb(h['l2'])} "
             f"L3 {_kb(h['l3'])} c{h['cores']} {bw_txt} ;")
 
