@@ -29,9 +29,8 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -312,7 +311,6 @@ def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
     from kernels.worker import Runner
     from tuner.db import ResultsDB
     from tuner.session import Budget, Session
-    from tuner.strategies import make_strategy
 
     specs = all_specs()
     native = probe(measure_bandwidth=False).isa

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any
 
 import numpy as np
 

@@ -9,7 +9,6 @@ import sys
 import time
 import tty
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import pytest

@@ -30,7 +30,7 @@ def to_c_header(doc: dict) -> str:
         for flag in knob_flags(e["config"]):
             name, _, value = flag[2:].partition("=")
             out.append(f"#define {name} {value or 1}")
-        out.append(f"#endif")
+        out.append("#endif")
         out.append("")
     out.append("#endif")
     return "\n".join(out) + "\n"

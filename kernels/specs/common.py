@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.space import Constraint, Param, enum, pow2
+from kernels.space import Constraint, enum, pow2
 
 VEC = pow2("vec", 4, 16, help="floats per vector register (GCC vector extensions)")
 THREADS = enum("threads", 1, 2, 4, help="OpenMP threads")
