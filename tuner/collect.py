@@ -7,8 +7,9 @@ For every bundled kernel and every ISA cap (x86-64-v2/v3/v4 by default) it
 2. samples a seeded set of configs (`--configs`, plus the default) that are valid for at least one shape,
    compiles each once for that ISA (content-hashed .so, so a restart recompiles nothing) and
 3. measures every config on every shape it is valid for, in one recycled worker per (kernel, ISA);
-4. for each held-out case, refines the best sampled config with a short annealing run (`--refine` evals),
-   so the case has a best-known reference.
+4. for every case, refines the best sampled config with a short annealing run: `--refine` evals for a
+   training case, so its top configs (the model's training targets) are near-optimal rather than the best of a
+   random sample, and `--refine-heldout` evals for a held-out case, so it has a strong best-known reference.
 
 Every measurement is one JSON line appended to the output and fsynced: a kill loses at most the
 measurement in flight, and rerunning the same command resumes (finished measurements are skipped).
@@ -107,6 +108,27 @@ def kernel_shapes(spec: KernelSpec, total: int, heldout: int, seed: int = 0,
     return [(name, s, "heldout" if i in held else "train") for i, (name, s) in enumerate(out)]
 
 
+def extra_shapes(spec: KernelSpec, base: list[tuple[str, dict, str]], n: int, seed: int = 0,
+                 max_mflop: float = 40.0) -> list[tuple[str, dict, str]]:
+    """`n` more synthetic training shapes from their own seeded stream, so adding them leaves the base shapes
+    and the held-out split unchanged; none repeats a base shape."""
+    rng = random.Random(f"extra-shapes-{spec.name}-{seed}")
+    seen = {shape_key(s) for _, s, _ in base}
+    out: list[tuple[str, dict, str]] = []
+    for _ in range(10_000):
+        if len(out) >= n:
+            break
+        try:
+            s = spec.validate_shape(_synthetic(spec, rng))
+        except Exception:
+            continue
+        if spec.flops(s) / 1e6 > max_mflop or shape_key(s) in seen:
+            continue
+        seen.add(shape_key(s))
+        out.append(("synthetic." + "-".join(f"{d.name}{s[d.name]}" for d in spec.dims), s, "train"))
+    return out
+
+
 def sample_configs(spec: KernelSpec, shapes: list[dict], hw: Any, n: int, seed: int = 0) -> list[Config]:
     """The default plus n seeded configs, each valid for at least one of the shapes on this hw."""
     rng = random.Random(f"configs-{spec.name}-{hw.isa}-{seed}")
@@ -145,14 +167,16 @@ class Journal:
                 self.rows.append(row)
                 if row.get("kind") == "m":
                     self.done.add(self._key(row))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(path, "a")
+        self.f = None  # opened on the first append: a dry run creates nothing
 
     @staticmethod
     def _key(row: dict) -> tuple:
         return (row["kernel"], row["isa"], row["shape_key"], row["config_key"])
 
     def append(self, row: dict) -> None:
+        if self.f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(self.path, "a")
         self.f.write(json.dumps(row, separators=(",", ":")) + "\n")
         self.f.flush()
         os.fsync(self.f.fileno())
@@ -192,10 +216,16 @@ def _measure_row(spec: KernelSpec, isa: str, name: str, shape: dict, split: str,
 
 
 def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_shapes: int, n_heldout: int,
-            refine: int, min_time_s: float, max_reps: int, seed: int, dry_run: bool = False) -> None:
+            refine: int, refine_heldout: int, min_time_s: float, max_reps: int, seed: int,
+            dry_run: bool = False, n_extra: int = 0) -> None:
     from hwprobe import probe
 
     j = Journal(out)
+    if not dry_run:  # the settings of every invocation, for the data card
+        j.append({"kind": "run", "format": FORMAT, "configs": n_configs, "shapes": n_shapes, "extra_shapes": n_extra,
+                  "heldout": n_heldout,
+                  "refine": refine, "refine_heldout": refine_heldout, "min_time_s": min_time_s,
+                  "max_reps": max_reps, "seed": seed, "ts": round(time.time(), 3)})
     specs = [s for n, s in all_specs().items() if not kernels or n in kernels]
     bw = None
     for r in j.rows:
@@ -214,6 +244,7 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
         for spec in specs:
             shapes = kernel_shapes(spec, n_shapes, n_heldout, seed)
             cfgs = sample_configs(spec, [s for _, s, _ in shapes], hw, n_configs, seed)
+            shapes += extra_shapes(spec, shapes, n_extra, seed)
             plan = [(name, s, split, c) for name, s, split in shapes for c in cfgs if spec.space(s, hw).is_valid(c)]
             todo = [p for p in plan if (spec.name, isa, shape_key(p[1]), config_key(p[3])) not in j.done]
             total_planned += len(plan)
@@ -241,14 +272,15 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
     if dry_run:
         print(f"planned measurements: {total_planned}")
         return
-    if refine > 0:
-        refine_heldout(j, specs, isas, refine, min_time_s, max_reps, seed)
+    if refine > 0 or refine_heldout > 0:
+        refine_cases(j, specs, isas, {"train": refine, "heldout": refine_heldout}, min_time_s, max_reps, seed)
     print(f"done in {time.time() - t_start:.0f}s; {sum(1 for r in j.rows if r.get('kind') == 'm')} measurements")
 
 
-def refine_heldout(j: Journal, specs: list[KernelSpec], isas: list[str], evals: int, min_time_s: float,
-                   max_reps: int, seed: int) -> None:
-    """Best-known references: anneal from each held-out case's best sampled config for `evals` more configs."""
+def refine_cases(j: Journal, specs: list[KernelSpec], isas: list[str], evals: dict[str, int], min_time_s: float,
+                 max_reps: int, seed: int) -> None:
+    """Anneal from each case's best sampled config for `evals[split]` more configs (training targets near the
+    optimum; best-known references for held-out cases)."""
     from hwprobe import probe
     from tuner.strategies import Anneal
 
@@ -257,14 +289,15 @@ def refine_heldout(j: Journal, specs: list[KernelSpec], isas: list[str], evals: 
         for spec in specs:
             cases: dict[str, list[dict]] = {}
             for r in j.rows:
-                if r.get("kind") == "m" and r["kernel"] == spec.name and r["isa"] == isa and r["split"] == "heldout":
+                if r.get("kind") == "m" and r["kernel"] == spec.name and r["isa"] == isa:
                     cases.setdefault(r["shape_key"], []).append(r)
             with Runner(recycle_after=10**9) as runner:
                 for sk, rows in cases.items():
                     done_refine = sum(1 for r in rows if r["phase"] == "refine")
-                    if done_refine >= evals:
+                    shape, name, split = rows[0]["shape"], rows[0]["workload"], rows[0]["split"]
+                    target = evals.get(split, 0)
+                    if done_refine >= target:
                         continue
-                    shape, name = rows[0]["shape"], rows[0]["workload"]
                     space = spec.space(shape, hw)
                     strat = Anneal(space, seed=seed, t0=0.02)
                     # replay everything measured so far (sample first, then earlier refinement), best last
@@ -274,8 +307,8 @@ def refine_heldout(j: Journal, specs: list[KernelSpec], isas: list[str], evals: 
                     strat.current = strat.best  # start at the best sampled config
                     n = done_refine
                     t = time.time()
-                    while n < evals:
-                        asked = strat.ask(min(2, evals - n))
+                    while n < target:
+                        asked = strat.ask(min(2, target - n))
                         if not asked:
                             break
                         for c, b in zip(asked, build_many(spec, asked, hw)):
@@ -283,9 +316,9 @@ def refine_heldout(j: Journal, specs: list[KernelSpec], isas: list[str], evals: 
                                  runner.measure(spec, shape, b.path, min_time_s=min_time_s, max_reps=max_reps,
                                                 timeout_s=20))
                             strat.tell(c, m)
-                            j.append(_measure_row(spec, isa, name, shape, "heldout", c, m, "refine", None))
+                            j.append(_measure_row(spec, isa, name, shape, split, c, m, "refine", None))
                             n += 1
-                    print(f"[{time.strftime('%H:%M:%S')}] refine {spec.name} {isa} {name}: {n} evals in "
+                    print(f"[{time.strftime('%H:%M:%S')}] refine {spec.name} {isa} {name} ({split}): {n} evals in "
                           f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
 
 
@@ -316,27 +349,37 @@ def data_card(path: Path) -> str:
             why = (r["reason"] or "?").split(":")[0]
             fails[why] = fails.get(why, 0) + 1
     h = hws[0] if hws else {}
+    run = ([r for r in rows if r.get("kind") == "run"] or [{}])[-1]  # the settings of the last invocation
     q = lambda p: loads[min(len(loads) - 1, int(p * len(loads)))] if loads else float("nan")  # noqa: E731
+    n_shapes = max((len(d["shapes"]) for d in by.values()), default=0)
+    n_held = max((len(d["held"]) for d in by.values()), default=0)
+    held = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms if r["split"] == "heldout"}
     lines = [
         "# Data card: edgetune tuning runs", "",
         f"File: `{path.name}` ({path.stat().st_size / 1e6:.1f} MB), sha256 `{dataset_hash(path)[:16]}…`. "
-        "One JSON object per line: `kind=hw` lines hold the hardware descriptor of each ISA cap, `kind=m` lines one "
-        "measurement each.", "",
+        "One JSON object per line: `kind=run` lines hold the collector's settings, `kind=hw` lines the hardware "
+        "descriptor of each ISA cap, `kind=m` lines one measurement each.", "",
         "## How it was collected", "",
         "`python -m tuner.collect` (tuner/collect.py; resumable: an fsynced JSONL journal, a rerun skips finished "
         "measurements). For every bundled kernel and each ISA cap x86-64-v4 / v3 / v2 (AVX-512 / AVX2 / SSE4.2 via "
         "`-march`; the descriptor's ISA and vector bits change with the cap): the kernel's bundled workloads plus "
-        "seeded synthetic shapes spanning edge ranges (22 per kernel; synthetic shapes capped at 40 MFLOP); the "
-        "shapes' defaults plus a seeded sample of 80 configs valid for at least one shape, each compiled once per "
-        "ISA and measured on every shape it is valid for (worker subprocess, correctness checked against the numpy "
-        "reference before timing; min_time 0.02 s, at most 15 reps, estimator = median of reps without involuntary "
-        "context switches). Every line keeps all rep times, CV, reps used, estimator, thread-CPU ms, context "
-        "switches and the load average at that moment.", "",
-        "Split by shape: 4 shapes per kernel (one bundled workload + 3 synthetic, seeded) are held out and never "
-        "trained on (`split=heldout`). Each held-out case (kernel, ISA, shape) also got a 10-eval annealing "
-        "refinement from its best sampled config (`phase=refine`): its best-known reference is the best of the "
-        "sample, the defaults and that refinement (the spaces, up to 3,312 configs, are too large to measure "
-        "exhaustively in the time available).", "",
+        f"seeded synthetic shapes spanning edge ranges ({n_shapes} per kernel: {run.get('shapes', '?')} from the "
+        f"base stream, held-out ones included, plus {run.get('extra_shapes', 0)} training-only shapes from a second "
+        "stream; synthetic shapes capped at 40 MFLOP); the base shapes' defaults plus a seeded sample of "
+        f"{run.get('configs', '?')} configs valid for at least one base shape, each compiled once per ISA and "
+        "measured on every shape it is valid for (worker subprocess, "
+        "correctness checked against the numpy reference before timing; min_time "
+        f"{run.get('min_time_s', '?')} s, at most {run.get('max_reps', '?')} reps, estimator = median of reps "
+        "without involuntary context switches). Then every case (kernel, ISA, shape) got an annealing refinement "
+        "from its best sampled config (`phase=refine`, one-knob moves, 2 configs compiled per step): "
+        f"{run.get('refine', '?')} evals for a training case, so its fastest configs, the model's training "
+        "targets, come from a local search and not only from a random sample; "
+        f"{run.get('refine_heldout', '?')} evals for a held-out case. Every line keeps all rep times, CV, reps "
+        "used, estimator, thread-CPU ms, context switches and the load average at that moment.", "",
+        f"Split by shape: {n_held} shapes per kernel (one bundled workload + the rest synthetic, seeded) are held "
+        "out and never trained on (`split=heldout`). A held-out case's best-known reference is the best of its "
+        "sample, the defaults and its refinement (the spaces, up to 3,672 configs, are too large to measure "
+        f"exhaustively for {len(held)} cases in the time available).", "",
         "## Machine", "",
         f"- CPU: {h.get('cpu_model')} ({h.get('arch')}), {h.get('cores')} usable cores (shared with other jobs)",
         f"- caches: L1d {h.get('l1d')} B, L2 {h.get('l2')} B, L3 {h.get('l3')} B; bandwidth {h.get('bandwidth_gbps')} "
@@ -344,9 +387,9 @@ def data_card(path: Path) -> str:
         f"- ISA caps: {', '.join(x['isa'] + ' (' + str(x['vector_bits']) + '-bit)' for x in hws)}", "",
         "## Load during collection", "",
         f"1-minute load average over the {len(ms)} measurements: median {q(0.5):.2f}, p10 {q(0.1):.2f}, "
-        f"p90 {q(0.9):.2f}, max {loads[-1] if loads else float('nan'):.2f} on 2 cores. The machine was shared "
-        "with other engineers' test runs, so timings are noisy (see `cv` and `load1` per line); a config's rank "
-        "within a shape is more reliable than its absolute time.",
+        f"p90 {q(0.9):.2f}, max {loads[-1] if loads else float('nan'):.2f} on {h.get('cores')} cores. Nothing "
+        "else of ours ran during the collection; the host is a shared VM, so `cv` and `load1` on each line say how "
+        "noisy each timing was.",
         f"Wall time: {(max(ts) - min(ts)) / 60:.0f} min ({time.strftime('%Y-%m-%d %H:%M', time.gmtime(min(ts)))} "
         f"to {time.strftime('%H:%M UTC', time.gmtime(max(ts)))}).", "",
         "## Counts", "",
@@ -359,7 +402,6 @@ def data_card(path: Path) -> str:
         lines.append(f"| {k} | {isa} | {len(d['shapes'])} | {len(d['held'])} | {len(d['cfgs'])} | {d['rows']} | "
                      f"{d['ok']} | {d['refine']} |")
     cases = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms}
-    held = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms if r["split"] == "heldout"}
     lines += ["", f"{len(cases)} cases (kernel x ISA x shape): {len(cases) - len(held)} train, {len(held)} held-out.",
               f"Median CV of ok measurements: {st.median(r['cv'] for r in ok if r['cv'] is not None):.3f}.", ""]
     return "\n".join(lines)
@@ -374,10 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="quantized_models/data/runs.jsonl", help="JSONL journal (appended, resumable)")
     ap.add_argument("--kernel", action="append", help="only these kernels (default: all bundled)")
     ap.add_argument("--isa", action="append", help=f"ISA caps (default: {', '.join(ISAS)})")
-    ap.add_argument("--configs", type=int, default=80, help="sampled configs per kernel and ISA (plus defaults)")
+    ap.add_argument("--configs", type=int, default=60, help="sampled configs per kernel and ISA (plus defaults)")
     ap.add_argument("--shapes", type=int, default=22, help="shapes per kernel, bundled workloads included")
+    ap.add_argument("--extra-shapes", type=int, default=22,
+                    help="more synthetic training shapes per kernel (their own seeded stream: the base shapes and "
+                         "the held-out split do not change)")
     ap.add_argument("--heldout", type=int, default=4, help="held-out shapes per kernel")
-    ap.add_argument("--refine", type=int, default=10, help="annealing evals per held-out case for the reference")
+    ap.add_argument("--refine", type=int, default=10, help="annealing evals per training case (training targets)")
+    ap.add_argument("--refine-heldout", type=int, default=30,
+                    help="annealing evals per held-out case (its best-known reference)")
     ap.add_argument("--min-time", type=float, default=0.02, help="timing budget per measurement, seconds")
     ap.add_argument("--max-reps", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
@@ -388,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         print(data_card(Path(a.card)))
         return 0
     collect(Path(a.out), a.kernel or [], a.isa or list(ISAS), a.configs, a.shapes, a.heldout, a.refine,
-            a.min_time, a.max_reps, a.seed, a.dry_run)
+            a.refine_heldout, a.min_time, a.max_reps, a.seed, a.dry_run, a.extra_shapes)
     return 0
 
 

@@ -71,7 +71,7 @@ class LLMStrategy(_Base):
     name = "llm"
 
     def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: str | None = None, k: int = DEFAULT_K,
-                 model_path: Path | None = None, proposer: Any = None, refine_patience: int = 3,
+                 model_path: Path | None = None, proposer: Any = None, refine_patience: int = 2,
                  extra: Any = None, pool: int = 1):
         super().__init__(space, seed)
         self.k = k

@@ -28,9 +28,10 @@ from tuner.strategies import Strategy, make_strategy
 
 log = logging.getLogger(__name__)
 
-SEARCH_MIN_TIME_S = 0.08  # per-variant timing budget while searching
+SEARCH_MIN_TIME_S = 0.05  # per-variant timing budget, while searching and per interleaved finalist round
 FINAL_ROUNDS = 3  # interleaved re-measurements of each finalist
 FINALISTS = 4
+FINALIST_MARGIN = 1.15  # a config measured over 15% slower than the best while searching cannot win on noise
 
 
 @dataclass
@@ -134,7 +135,9 @@ class Session:
             asked = strat.ask(min(batch, budget.evals - len(evals)))[: budget.evals - len(evals)]
             if not asked:
                 break
-            measured = self._measure_batch(spec, wl, sess.id, len(evals), asked, journal, objective)
+            # the first batch also builds the default, which the finals always re-measure: one compile round fewer
+            prebuild = [] if evals else [space.valid_default()]
+            measured = self._measure_batch(spec, wl, sess.id, len(evals), asked, journal, objective, prebuild)
             if objective.fallback_reason and not relearned:
                 # an energy run fell back to latency: rescore everything, re-teach a fresh strategy in ms
                 relearned = True
@@ -167,8 +170,10 @@ class Session:
         return max(ts) - min(ts)
 
     def _measure_batch(self, spec: KernelSpec, wl: Workload, session_id: int, seq0: int, cfgs: list[Config],
-                       journal: dict, objective: Objective) -> list[tuple[Config, Measurement]]:
-        """Replay journaled measurements; compile the rest as one batch, then measure them one by one."""
+                       journal: dict, objective: Objective,
+                       prebuild: list[Config] | None = None) -> list[tuple[Config, Measurement]]:
+        """Replay journaled measurements; compile the rest (and `prebuild`, built only) as one batch, then measure
+        them one by one."""
         out: list[tuple[Config, Measurement] | None] = [None] * len(cfgs)
         todo = []
         for i, cfg in enumerate(cfgs):
@@ -179,7 +184,8 @@ class Session:
                 todo.append(i)
         if todo:
             t = time.perf_counter()
-            builds = build_many(spec, [cfgs[i] for i in todo], self.hw)
+            extra = [c for c in prebuild or [] if config_key(c) not in {config_key(cfgs[i]) for i in todo}]
+            builds = build_many(spec, [cfgs[i] for i in todo] + extra, self.hw)[:len(todo)]
             compile_s = (time.perf_counter() - t) / len(todo)
             for i, b in zip(todo, builds):
                 if isinstance(b, CompileError):
@@ -224,14 +230,16 @@ class Session:
 
     def _finish(self, spec: KernelSpec, wl: Workload, space: SearchSpace, strat: Strategy, session_id: int, key: str,
                 evals: list[tuple[Config, Measurement]], t0: float, objective: Objective) -> TuneResult:
-        ok = sorted(((c, m) for c, m in evals if m.ok), key=lambda cm: cm[1].ms)
+        ok = sorted(((c, m) for c, m in evals if m.ok), key=lambda cm: cm[1].value)
         failed = sum(1 for _, m in evals if not m.ok)
         default = space.valid_default()
         if not ok:
             self.db.finish_session(session_id, "failed", {"reason": "every variant failed", "failed": failed})
             raise EdgetuneError(f"{spec.name}/{wl.name}: all {len(evals)} variants failed "
                                 f"(first: {evals[0][1].reason if evals else 'none measured'})")
-        finalists = [c for c, _ in ok[:FINALISTS]]
+        # finalists: the fastest few that could still be the best once noise is averaged out
+        limit = FINALIST_MARGIN * ok[0][1].value if ok[0][1].value > 0 else float("inf")
+        finalists = [c for c, m in ok[:FINALISTS] if m.value <= limit]
         if config_key(default) not in {config_key(c) for c in finalists}:
             finalists.append(default)  # the default is always a finalist: speedup is measured, not assumed
         final = self.remeasure(spec, wl, finalists, session_id, "final", objective=objective)

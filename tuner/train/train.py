@@ -34,6 +34,9 @@ from tuner.train.tokenizer import load as load_sp
 from tuner.train.tokenizer import train_tokenizer
 
 OUT_DIR = Path(__file__).resolve().parents[2] / "quantized_models"
+HELDOUT_PROTOCOL = ("top-k restricted to each held-out case's measured reference table (as the bench replay), so a "
+                    "proposal the collector never measured cannot count; `python bench/compare_tuners.py "
+                    "--measure-topk 5` measures the unrestricted proposals for real")
 
 
 def spaces_meta() -> dict:
@@ -268,6 +271,7 @@ def run(data: list[Path], records: list[Path], out_dir: Path, *, dim: int, layer
         "tokenizer": {"type": "sentencepiece BPE", "pieces": cfg.vocab, "add_space_prefix": False},
         "training": training, "training_seconds": round(time.time() - t_all, 1),
         "agreement": {"f16": agree_f16, "q8_0": agree_q8},
+        "heldout_protocol": HELDOUT_PROTOCOL,
         "heldout": {k: v for k, v in metrics.items() if k != "per_case"},
         "heldout_per_case": metrics.get("per_case", []),
     }
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=768)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=16, help="cases per step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--top", type=int, default=10)
