@@ -124,6 +124,35 @@ def test_anneal_improves_on_synthetic_objective(hw):
 
 # ---- sessions ----------------------------------------------------------------------------------------------
 
+def test_finals_remeasure_only_plausible_winners_and_the_default(hw, runner):
+    """A config measured over FINALIST_MARGIN slower than the best while searching is not re-measured."""
+    from tuner.session import FINAL_ROUNDS, FINALIST_MARGIN
+
+    db = ResultsDB()
+    wl = GEMM.workload("mobilenetv2.b6.project")
+    space = GEMM.space(wl.shape, hw)
+    slow = dict(space.valid_default(), mr=1, nv=1, unroll_k=1, threads=1)  # scalar-ish tiles: far off the best
+    assert space.is_valid(slow)
+
+    class Fixed(RandomSearch):  # measures exactly these configs, then stops
+        todo = [slow] + space.sample(3, random.Random(3))
+
+        def ask(self, n):
+            out, self.todo = self.todo, []
+            return out
+
+    r = Session(db, runner, hw).tune(GEMM, wl, strategy_obj=Fixed(space), budget=Budget(evals=4))
+    search = {config_key(m["config"]): m["stats"]["ms"] for m in db.measurements(r.session_id, "search")}
+    best = min(search.values())
+    finals = db.measurements(r.session_id, "final")
+    final_keys = {config_key(m["config"]) for m in finals}
+    default = config_key(space.valid_default())
+    assert final_keys and all(k == default or search[k] <= FINALIST_MARGIN * best for k in final_keys)
+    assert len(finals) == FINAL_ROUNDS * len(final_keys)  # interleaved rounds over each finalist
+    if search[config_key(slow)] > FINALIST_MARGIN * best and config_key(slow) != default:
+        assert config_key(slow) not in final_keys
+
+
 def test_budget_and_cache(hw, runner):
     db = ResultsDB()
     s = Session(db, runner, hw)

@@ -80,18 +80,13 @@ def _synthetic(spec: KernelSpec, rng: random.Random) -> dict:
     raise ValueError(f"no synthetic shape generator for kernel {n}")
 
 
-def kernel_shapes(spec: KernelSpec, total: int, heldout: int, seed: int = 0,
-                  max_mflop: float = 40.0) -> list[tuple[str, dict, str]]:
-    """(name, shape, split) for a kernel: its bundled workloads plus synthetic ones, `heldout` of them held out.
-
-    The held-out set is one bundled workload (a real layer) plus synthetic shapes, chosen by a seeded rng.
-    """
-    rng = random.Random(f"shapes-{spec.name}-{seed}")
-    out = [(w.name, dict(w.shape)) for w in spec.workloads]
-    seen = {shape_key(s) for _, s in out}
-    tries = 0
-    while len(out) < total and tries < 10_000:
-        tries += 1
+def _draw_synthetic(spec: KernelSpec, rng: random.Random, n: int, seen: set[str],
+                    max_mflop: float) -> list[tuple[str, dict]]:
+    """Up to `n` new (name, shape) synthetic shapes from `rng`, none in `seen` (which grows) nor over max_mflop."""
+    out: list[tuple[str, dict]] = []
+    for _ in range(10_000):
+        if len(out) >= n:
+            break
         try:
             s = spec.validate_shape(_synthetic(spec, rng))
         except Exception:
@@ -100,6 +95,18 @@ def kernel_shapes(spec: KernelSpec, total: int, heldout: int, seed: int = 0,
             continue
         seen.add(shape_key(s))
         out.append(("synthetic." + "-".join(f"{d.name}{s[d.name]}" for d in spec.dims), s))
+    return out
+
+
+def kernel_shapes(spec: KernelSpec, total: int, heldout: int, seed: int = 0,
+                  max_mflop: float = 40.0) -> list[tuple[str, dict, str]]:
+    """(name, shape, split) for a kernel: its bundled workloads plus synthetic ones, `heldout` of them held out.
+
+    The held-out set is one bundled workload (a real layer) plus synthetic shapes, chosen by a seeded rng.
+    """
+    rng = random.Random(f"shapes-{spec.name}-{seed}")
+    out = [(w.name, dict(w.shape)) for w in spec.workloads]
+    out += _draw_synthetic(spec, rng, total - len(out), {shape_key(s) for _, s in out}, max_mflop)
     n_bundled = len(spec.workloads)
     held = {rng.randrange(n_bundled)}
     synth = list(range(n_bundled, len(out)))
@@ -113,20 +120,8 @@ def extra_shapes(spec: KernelSpec, base: list[tuple[str, dict, str]], n: int, se
     """`n` more synthetic training shapes from their own seeded stream, so adding them leaves the base shapes
     and the held-out split unchanged; none repeats a base shape."""
     rng = random.Random(f"extra-shapes-{spec.name}-{seed}")
-    seen = {shape_key(s) for _, s, _ in base}
-    out: list[tuple[str, dict, str]] = []
-    for _ in range(10_000):
-        if len(out) >= n:
-            break
-        try:
-            s = spec.validate_shape(_synthetic(spec, rng))
-        except Exception:
-            continue
-        if spec.flops(s) / 1e6 > max_mflop or shape_key(s) in seen:
-            continue
-        seen.add(shape_key(s))
-        out.append(("synthetic." + "-".join(f"{d.name}{s[d.name]}" for d in spec.dims), s, "train"))
-    return out
+    drawn = _draw_synthetic(spec, rng, n, {shape_key(s) for _, s, _ in base}, max_mflop)
+    return [(name, s, "train") for name, s in drawn]
 
 
 def sample_configs(spec: KernelSpec, shapes: list[dict], hw: Any, n: int, seed: int = 0) -> list[Config]:
