@@ -381,10 +381,9 @@ def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int =
                     m = runner.measure(spec, case.shape, b.path, min_time_s=0.02, max_reps=15, timeout_s=20)
                     if m.ok:
                         times[j].append(m.ms)
-            med = [statistics.median(t) if t else None for t in times]
-            ref_ms = med[0]
-            got = [med[cfgs.index(c)] if config_key(c) != config_key(ref) else ref_ms for c in top]
-            ratios = [g / ref_ms if g and ref_ms else None for g in got]
+            med = {config_key(c): statistics.median(t) if t else None for c, t in zip(cfgs, times)}
+            ref_ms = med[config_key(ref)]
+            ratios = [med[config_key(c)] / ref_ms if med[config_key(c)] and ref_ms else None for c in top]
             hit = next((n + 1 for n, r in enumerate(ratios) if r is not None and r <= 1.05), None)
             rows.append({"kernel": case.kernel, "isa": case.isa, "workload": case.workload, "ref_ms": ref_ms,
                          "ratios": ratios, "evals_to": hit, "load1": os.getloadavg()[0]})

@@ -149,8 +149,6 @@ def test_finals_remeasure_only_plausible_winners_and_the_default(hw, runner):
     default = config_key(space.valid_default())
     assert final_keys and all(k == default or search[k] <= FINALIST_MARGIN * best for k in final_keys)
     assert len(finals) == FINAL_ROUNDS * len(final_keys)  # interleaved rounds over each finalist
-    if search[config_key(slow)] > FINALIST_MARGIN * best and config_key(slow) != default:
-        assert config_key(slow) not in final_keys
 
 
 def test_budget_and_cache(hw, runner):

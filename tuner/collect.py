@@ -218,9 +218,8 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
     j = Journal(out)
     if not dry_run:  # the settings of every invocation, for the data card
         j.append({"kind": "run", "format": FORMAT, "configs": n_configs, "shapes": n_shapes, "extra_shapes": n_extra,
-                  "heldout": n_heldout,
-                  "refine": refine, "refine_heldout": refine_heldout, "min_time_s": min_time_s,
-                  "max_reps": max_reps, "seed": seed, "ts": round(time.time(), 3)})
+                  "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout,
+                  "min_time_s": min_time_s, "max_reps": max_reps, "seed": seed, "ts": round(time.time(), 3)})
     specs = [s for n, s in all_specs().items() if not kernels or n in kernels]
     bw = None
     for r in j.rows:
@@ -382,9 +381,8 @@ def data_card(path: Path) -> str:
         f"- ISA caps: {', '.join(x['isa'] + ' (' + str(x['vector_bits']) + '-bit)' for x in hws)}", "",
         "## Load during collection", "",
         f"1-minute load average over the {len(ms)} measurements: median {q(0.5):.2f}, p10 {q(0.1):.2f}, "
-        f"p90 {q(0.9):.2f}, max {loads[-1] if loads else float('nan'):.2f} on {h.get('cores')} cores. Nothing "
-        "else of ours ran during the collection; the host is a shared VM, so `cv` and `load1` on each line say how "
-        "noisy each timing was.",
+        f"p90 {q(0.9):.2f}, max {loads[-1] if loads else float('nan'):.2f} on {h.get('cores')} cores; `cv` and "
+        "`load1` on each line say how noisy each timing was.",
         f"Wall time: {(max(ts) - min(ts)) / 60:.0f} min ({time.strftime('%Y-%m-%d %H:%M', time.gmtime(min(ts)))} "
         f"to {time.strftime('%H:%M UTC', time.gmtime(max(ts)))}).", "",
         "## Counts", "",
