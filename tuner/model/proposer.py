@@ -38,17 +38,25 @@ class _Partial(dict):
         raise KeyError(key)
 
 
+def undecided(space: SearchSpace, pending: tuple[int, ...], cfg: _Partial) -> tuple[int, ...] | None:
+    """The constraints (indices into space.constraints) of `pending` that `cfg` leaves undetermined, or None when
+    one of them fails. A constraint that returned without touching an unassigned knob holds for every completion
+    of `cfg`, so a search node hands its children only the undetermined ones."""
+    left = []
+    for i in pending:
+        try:
+            if not space.constraints[i].holds(cfg, space.shape, space.hw):
+                return None
+        except (KeyError, TypeError):
+            left.append(i)
+    return tuple(left)
+
+
 def partial_ok(space: SearchSpace, cfg: Mapping[str, Any], extra: Callable[[Config], bool | None] | None = None) -> bool:
     p = _Partial(cfg)
-    for c in space.constraints:
-        try:
-            if not c.holds(p, space.shape, space.hw):
-                return False
-        except (KeyError, TypeError):
-            continue
-    if extra is not None and extra(p) is False:
+    if undecided(space, tuple(range(len(space.constraints))), p) is None:
         return False
-    return True
+    return extra is None or extra(p) is not False
 
 
 def grammar_values(space: SearchSpace) -> list[tuple[str, list[Any]]]:
@@ -80,6 +88,7 @@ class _Node:
     parent: "_Node | None" = field(compare=False, default=None)
     seq: int | None = field(compare=False, default=None)  # KV sequence holding prompt + tokens
     lp: np.ndarray | None = field(compare=False, default=None)  # log-softmax after the last token
+    pending: tuple[int, ...] = field(compare=False, default=())  # constraints the assigned values leave open
 
 
 @dataclass
@@ -111,7 +120,6 @@ class Proposer:
         self.expand_per_decode = expand_per_decode
         self.max_expansions = max_expansions
         self._free: list[int] = []
-        self._prompt_cache: tuple[str, int, np.ndarray] | None = None
 
     @property
     def version(self) -> str:
@@ -128,8 +136,9 @@ class Proposer:
         that raises KeyError for unassigned knobs, like the space's own constraints.
         """
         t0 = time.perf_counter()
-        fields = grammar_values(space)
         m = self.m
+        fields = [(name, [(v, m.tokenize(field_text(name, v))) for v in values])
+                  for name, values in grammar_values(space)]
         prompt = prompt_text(kernel, space.shape, space.hw)
         ptoks = [m.bos] + m.tokenize(prompt)
         m.clear()
@@ -142,7 +151,7 @@ class Proposer:
         self._owners: dict[int, _Node] = {}
         self._protected: set = set()
         tie = itertools.count()
-        root = _Node(0.0, next(tie), (), [], 0, None, 0, lp0)
+        root = _Node(0.0, next(tie), (), [], 0, None, 0, lp0, tuple(range(len(space.constraints))))
         heap: list[_Node] = [root]
         out: list[Proposal] = []
         seen: set[str] = set()
@@ -163,31 +172,32 @@ class Proposer:
             while heap and len(batch_nodes) < per and len(heap[0].values) < nf:
                 batch_nodes.append(heapq.heappop(heap))
             expansions += len(batch_nodes)
-            decodes += self._expand(batch_nodes, fields, space, extra, heap, tie, n_prompt, ptoks)
+            decodes += self._expand(batch_nodes, fields, names, space, extra, heap, tie, n_prompt)
         m.clear()
         return ProposeResult(out, (time.perf_counter() - t0) * 1e3, expansions, decodes, prompt)
 
-    def _expand(self, nodes: list[_Node], fields, space: SearchSpace, extra, heap: list, tie, n_prompt: int,
-                ptoks: list[int]) -> int:
+    def _expand(self, nodes: list[_Node], fields, names: list[str], space: SearchSpace, extra, heap: list, tie,
+                n_prompt: int) -> int:
         """Materialise each node's KV + logits, score every candidate value of its next field, push children."""
         m = self.m
         b = _Batch()
-        plans = []  # (node, [(value, toks, temp seq, batch idx of each prefix token)])
+        plans = []  # (node, candidates [(value, toks, undecided constraints)], temp seqs, batch idx of prefix tokens)
         protected = {n.parent.seq for n in nodes if n.parent is not None} | {n.seq for n in nodes}
         self._protected = protected
         for node in nodes:
             d = len(node.values)
             name, values = fields[d]
+            assigned = dict(zip(names, node.values))
             cands = []
-            for v in values:
-                cfg = dict(zip([f for f, _ in fields[:d]], node.values))
+            for v, vt in values:
+                cfg = _Partial(assigned)
                 cfg[name] = v
-                if partial_ok(space, cfg, extra):
-                    cands.append((v, m.tokenize(field_text(name, v))))
+                left = undecided(space, node.pending, cfg)
+                if left is not None and (extra is None or extra(cfg) is not False):
+                    cands.append((v, vt, left))
             if not cands:
                 continue
-            need_kv = d + 1 < len(fields)  # children will be expanded later: they need their own KV
-            temps = [self._get() if len(toks) > 1 else None for _, toks in cands]
+            temps = [self._get() if len(toks) > 1 else None for _, toks, _ in cands]
             live_temps = [t for t in temps if t is not None]
             own_idx = None
             if node.lp is None:  # materialise the node: its KV sequence and the logits after its last token
@@ -198,8 +208,7 @@ class Proposer:
                     src, start, toks = 0, n_prompt, node.tokens
                 else:
                     start, toks = n_prompt + len(node.tokens) - node.own, node.tokens[-node.own:]
-                for t in [node.seq] + live_temps:
-                    m.seq_rm(t)
+                for t in [node.seq] + live_temps:  # free sequences are empty (_get and the temp release clear them)
                     m.seq_cp(src, t)
                     if src == 0:
                         m.seq_rm(t, n_prompt)
@@ -207,38 +216,35 @@ class Proposer:
                     own_idx = b.add(tk, start + j, [node.seq] + live_temps, j == len(toks) - 1)
             else:
                 for t in live_temps:
-                    m.seq_rm(t)
                     m.seq_cp(node.seq, t)
             pos0 = n_prompt + len(node.tokens)
             cand_idx = []
-            for (v, toks), t in zip(cands, temps):
+            for (v, toks, _), t in zip(cands, temps):
                 idx = []
                 if t is not None:
                     for j, tk in enumerate(toks[:-1]):
                         idx.append(b.add(tk, pos0 + j, [t], True))
                 cand_idx.append(idx)
-            plans.append((node, cands, temps, cand_idx, own_idx, need_kv))
+            plans.append((node, cands, temps, cand_idx, own_idx))
         if not plans:
             return 0
         lps = m.decode(b) if b.tokens else {}
-        for node, cands, temps, cand_idx, own_idx, need_kv in plans:
+        for node, cands, temps, cand_idx, own_idx in plans:
             if node.lp is None:
                 node.lp = lps[own_idx]
-            scores = []
-            for (v, toks), idx in zip(cands, cand_idx):
-                s = node.lp[toks[0]]
+            sc = node.lp[[toks[0] for _, toks, _ in cands]]  # first tokens from the node's logits, at once
+            for c, ((_, toks, _), idx) in enumerate(zip(cands, cand_idx)):
                 for j in range(1, len(toks)):
-                    s += lps[idx[j - 1]][toks[j]]
-                scores.append(s)
+                    sc[c] += lps[idx[j - 1]][toks[j]]
             for t in temps:
                 if t is not None:
                     m.seq_rm(t)
                     self._free.append(t)
-            sc = np.array(scores)
-            z = sc.max() + math.log(np.exp(sc - sc.max()).sum())
-            for (v, toks), s in zip(cands, scores):
-                child = _Node(node.neg - (s - z), next(tie), node.values + (v,), node.tokens + toks, len(toks), node)
-                heapq.heappush(heap, child)
+            top = sc.max()
+            negs = (node.neg - (sc - (top + math.log(np.exp(sc - top).sum())))).tolist()
+            for (v, toks, left), neg in zip(cands, negs):
+                heapq.heappush(heap, _Node(neg, next(tie), node.values + (v,), node.tokens + toks, len(toks), node,
+                                           pending=left))
         return 1
 
     def _get(self) -> int:
