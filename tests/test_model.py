@@ -196,6 +196,31 @@ def test_best_first_search_is_exact(proposer):
     assert math.fsum(math.exp(v) for v in ref.values()) == pytest.approx(1.0, abs=1e-3)
 
 
+def test_prefix_aware_constraints_are_rechecked_at_every_depth(proposer):
+    """A constraint that answers a partial config by asking which knobs are there (the bench's replay table) is not
+    decided early: the search stays exact against the brute force that checks every constraint at every depth."""
+    import dataclasses
+
+    from hwprobe import probe
+    from kernels.space import Constraint
+    from tuner.model.proposer import _Partial, undecided
+    from tuner.train.data import table_predicate
+
+    spec = all_specs()["gru"]
+    base = spec.space(spec.workloads[1].shape, probe(isa_cap="x86-64-v2", measure_bandwidth=False))
+    table = list(base.enumerate())[::3]
+    in_table = table_predicate(base.names, table)
+    space = dataclasses.replace(base, constraints=base.constraints + (Constraint("in table", lambda c, s, h: in_table(c)),))
+    first = _Partial({base.names[0]: table[0][base.names[0]]})
+    assert len(space.constraints) - 1 in undecided(space, tuple(range(len(space.constraints))), first)
+    ref = _reference_scores(proposer.m, "gru", space)
+    assert set(ref) == {config_key(c) for c in table}
+    top = sorted(ref.items(), key=lambda kv: -kv[1])[:8]
+    got = [(config_key(p.config), p.logprob) for p in proposer.propose("gru", space, 8).proposals]
+    for (k, lp), (_, rlp) in zip(got, top):
+        assert lp == pytest.approx(ref[k], abs=1e-2) and ref[k] == pytest.approx(rlp, abs=1e-2)
+
+
 def test_proposals_valid_distinct_and_ranked(proposer, hw):
     for name, spec in all_specs().items():
         for wl in spec.workloads:

@@ -32,22 +32,39 @@ from tuner.model.prompt import field_text, prompt_text
 
 
 class _Partial(dict):
-    """A partial config: reading an unassigned knob raises KeyError (the constraint is undetermined)."""
+    """A partial config: reading an unassigned knob raises KeyError (the constraint is undetermined). Asking whether
+    an unassigned knob is there (`in`, `get`) is allowed, for prefix-aware predicates, and is remembered in
+    `looked_past`: such an answer may change as knobs are assigned."""
+
+    looked_past = False
 
     def __missing__(self, key: str) -> Any:
+        self.looked_past = True
         raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        found = dict.__contains__(self, key)
+        self.looked_past |= not found
+        return found
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
 
 
 def undecided(space: SearchSpace, pending: tuple[int, ...], cfg: _Partial) -> tuple[int, ...] | None:
     """The constraints (indices into space.constraints) of `pending` that `cfg` leaves undetermined, or None when
-    one of them fails. A constraint that returned without touching an unassigned knob holds for every completion
-    of `cfg`, so a search node hands its children only the undetermined ones."""
+    one of them fails. A constraint that held without looking at an unassigned knob holds for every completion of
+    `cfg`, so a search node hands its children only the undetermined ones."""
     left = []
     for i in pending:
+        cfg.looked_past = False
         try:
             if not space.constraints[i].holds(cfg, space.shape, space.hw):
                 return None
         except (KeyError, TypeError):
+            left.append(i)
+            continue
+        if cfg.looked_past:
             left.append(i)
     return tuple(left)
 
