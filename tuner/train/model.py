@@ -19,9 +19,9 @@ import torch.nn.functional as F
 class Config:
     vocab: int
     dim: int = 256
-    layers: int = 4
+    layers: int = 2
     heads: int = 4
-    ffn: int = 768
+    ffn: int = 256  # FFN 768 measured no better on held-out top-5 (interleaved runs) and decoded 16% slower
     ctx: int = 128
     eps: float = 1e-5
     rope_base: float = 10000.0
