@@ -41,7 +41,7 @@ def main() -> None:
                 space = spec.space(wl.shape, hw)
                 default = space.valid_default()
                 cfgs = [default] + space.sample(args.random, random.Random(0))
-                builds = build_many(spec, cfgs, hw)
+                builds = build_many(spec, cfgs, hw, shape=wl.shape)
                 ms = [runner.measure(spec, wl.shape, b.path).ms if not isinstance(b, CompileError) else None
                       for b in builds]
                 ok = [m for m in ms[1:] if m is not None]

@@ -46,7 +46,7 @@ def main() -> None:
     hw = probe(measure_bandwidth=False)
     spec = get_spec(args.kernel)
     wl = spec.workload(args.workload)
-    so = build(spec, spec.space(wl.shape, hw).valid_default(), hw).path
+    so = build(spec, spec.space(wl.shape, hw).valid_default(), hw, shape=wl.shape).path
     with Runner() as runner:
         quiet = _series(runner, spec, wl.shape, so, args.runs)
         stop = mp.Event()

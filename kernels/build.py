@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 from edgetune import paths
 from edgetune.errors import EdgetuneError
-from kernels.space import Config
+from kernels.space import Config, Shape
 from kernels.spec import C_DIR, HEADER, KernelSpec
 
 COMPILE_TIMEOUT_S = 60.0
@@ -56,18 +56,25 @@ def find_compiler(hw: Any = None) -> str:
     return cc
 
 
-def compile_command(spec: KernelSpec, cfg: Config, hw: Any, out: Path, cc: str) -> list[str]:
+def shape_flags(spec: KernelSpec, shape: Shape | None) -> list[str]:
+    """The spec's baked dims of `shape` as -DET_SHAPE_<DIM>=v (none without a shape: the build serves any shape)."""
+    return [f"-DET_SHAPE_{d.upper()}={int(shape[d])}" for d in spec.baked_dims] if shape else []
+
+
+def compile_command(spec: KernelSpec, cfg: Config, hw: Any, out: Path, cc: str, shape: Shape | None = None) -> list[str]:
     threaded = int(cfg.get("threads", 1)) > 1
     return [
         cc, "-O3", *([f"-march={hw.march}"] if hw.march else []), "-fPIC", "-shared", *(["-fopenmp"] if threaded else []),
-        f"-I{C_DIR}", *knob_flags(cfg), str(spec.source), "-o", str(out), "-lm",
+        f"-I{C_DIR}", *knob_flags(cfg), *shape_flags(spec, shape), str(spec.source), "-o", str(out), "-lm",
     ]
 
 
-def build(spec: KernelSpec, cfg: Config, hw: Any, *, timeout_s: float = COMPILE_TIMEOUT_S) -> Build:
-    """Build (or reuse) the .so for `cfg`. The key covers source, headers, flags, knobs and compiler id."""
+def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
+          timeout_s: float = COMPILE_TIMEOUT_S) -> Build:
+    """Build (or reuse) the .so for `cfg`, specialised to `shape`'s baked dims when given (it then runs only
+    shapes that agree on them). The key covers source, headers, flags, knobs and compiler id."""
     cc = find_compiler(hw)
-    probe_cmd = compile_command(spec, cfg, hw, Path("OUT"), cc)
+    probe_cmd = compile_command(spec, cfg, hw, Path("OUT"), cc, shape)
     h = hashlib.sha256()
     for p in (spec.source, HEADER, *spec.extra_headers):
         h.update(p.read_bytes())
@@ -83,7 +90,7 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, timeout_s: float = COMPILE_
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            compile_command(spec, cfg, hw, tmp, cc), capture_output=True, text=True, timeout=timeout_s
+            compile_command(spec, cfg, hw, tmp, cc, shape), capture_output=True, text=True, timeout=timeout_s
         )
     except subprocess.TimeoutExpired:
         tmp.unlink(missing_ok=True)
@@ -96,12 +103,13 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, timeout_s: float = COMPILE_
     return Build(out, key, time.perf_counter() - t0, False)
 
 
-def build_many(spec: KernelSpec, cfgs: Iterable[Config], hw: Any, jobs: int | None = None) -> list[Build | CompileError]:
+def build_many(spec: KernelSpec, cfgs: Iterable[Config], hw: Any, jobs: int | None = None, *,
+               shape: Shape | None = None) -> list[Build | CompileError]:
     """Compile a batch in parallel (one job per usable core); failures come back in place, not raised."""
 
     def one(cfg: Config) -> Build | CompileError:
         try:
-            return build(spec, cfg, hw)
+            return build(spec, cfg, hw, shape=shape)
         except CompileError as e:
             return e
 

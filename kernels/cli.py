@@ -70,7 +70,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 def bench_one(spec: KernelSpec, wl: Workload, cfg: dict, hw: Any, runner: Runner, with_ort: bool) -> dict:
     """Build, check and time one config; optionally the ORT twin on the same inputs."""
-    m = runner.measure(spec, wl.shape, build(spec, cfg, hw).path)
+    m = runner.measure(spec, wl.shape, build(spec, cfg, hw, shape=wl.shape).path)
     row: dict[str, Any] = {
         "kernel": spec.name, "workload": wl.name, "shape": wl.shape, "config": cfg, "ms": m.ms, "cv": m.cv,
         "reps_used": m.reps_used, "reps": m.reps, "ok": m.ok, "reason": m.reason, "max_abs_err": m.max_abs_err,

@@ -55,7 +55,7 @@ def load_tuned(kernel: str, workload: str | None = None, *, shape: dict | None =
         log.warning("%s/%s: no tuned config on this device yet; using the default (run `edgetune tune`)",
                     spec.name, wl.name)
         cfg, tuned = space.valid_default(), False
-    return TunedKernel(spec, wl.shape, cfg, str(build(spec, cfg, hw).path), tuned)
+    return TunedKernel(spec, wl.shape, cfg, str(build(spec, cfg, hw, shape=wl.shape).path), tuned)
 
 
 

@@ -59,6 +59,10 @@ class KernelSpec:
     # cross-dimension rules (e.g. samples >= n_fft); returns the problems, empty when the shape is fine
     shape_problems: Callable[[Shape], list[str]] = lambda s: []
     extra_headers: tuple[Path, ...] = field(default_factory=tuple)
+    # shape dims a build for one workload compiles in as constants (-DET_SHAPE_<DIM>=v), so the compiler
+    # instantiates only that case (a stride-specialised kernel compiles ~2x faster); builds meant for many shapes
+    # (the collector) leave them out
+    baked_dims: tuple[str, ...] = ()
 
     def space(self, shape: Shape, hw: Any) -> SearchSpace:
         return SearchSpace(self.params, self.constraints, self.default, shape, hw)

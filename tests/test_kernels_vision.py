@@ -159,3 +159,18 @@ def test_onnx_twin_on_odd_shapes(name, shape):
     x = spec.make_inputs(shape, np.random.default_rng(0))
     got = run_ort(spec, shape, x, min_time_s=0.0, max_reps=5).outputs[0]
     np.testing.assert_allclose(got, spec.reference(shape, x)[0], rtol=spec.rtol * 10, atol=spec.atol * 10)
+
+
+@pytest.mark.parametrize("name", ("conv2d_3x3", "dwconv_3x3"))
+def test_stride_specialised_build_runs_its_stride_only(name, hw, runner):
+    """A build for one workload bakes its stride in (a separate cached .so); it matches the reference at that stride
+    and refuses the other with the kernel's unsupported-stride error, so a mix-up can never time the wrong code."""
+    spec = get_spec(name)
+    s1 = {**(CONV_SHAPES if name == "conv2d_3x3" else DW_SHAPES)[0], "stride": 1}
+    s2 = {**s1, "stride": 2}
+    cfg = spec.space(s1, hw).valid_default()
+    generic, only1, only2 = build(spec, cfg, hw), build(spec, cfg, hw, shape=s1), build(spec, cfg, hw, shape=s2)
+    assert len({generic.path, only1.path, only2.path}) == 3
+    assert runner.measure(spec, s1, only1.path, **FAST).ok and runner.measure(spec, s2, only2.path, **FAST).ok
+    wrong = runner.measure(spec, s2, only1.path, **FAST)
+    assert not wrong.ok and "error code 2" in wrong.reason

@@ -240,7 +240,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
     cfg = spec.space(wl.shape, hw).validate(config_from_json(args.config, "config"))
     db = ResultsDB()
     with Runner() as runner:
-        m = runner.measure(spec, wl.shape, build(spec, cfg, hw).path)
+        m = runner.measure(spec, wl.shape, build(spec, cfg, hw, shape=wl.shape).path)
     if not m.ok:
         raise EdgetuneError(f"pinned config fails on this device: {m.reason}")
     old = db.active_entry(spec.name, wl.name)
@@ -285,7 +285,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             spec = get_spec(kernel)
             wl = resolve(spec, workload, None)
             m = session.remeasure(spec, wl, [e["config"]], e.get("session_id") or 0, "verify", rounds=2)[0] \
-                if e.get("session_id") else runner.measure(spec, wl.shape, build(spec, e["config"], hw).path)
+                if e.get("session_id") else runner.measure(spec, wl.shape, build(spec, e["config"], hw, shape=wl.shape).path)
             drift = (m.ms - e["ms"]) / e["ms"] if m.ok and e.get("ms") else None
             rows.append({"kernel": kernel, "workload": workload, "config": e["config"], "stored_ms": e.get("ms"),
                          "now_ms": m.ms, "drift": drift, "ok": m.ok, "reason": m.reason,

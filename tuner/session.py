@@ -185,7 +185,7 @@ class Session:
         if todo:
             t = time.perf_counter()
             extra = [c for c in prebuild or [] if config_key(c) not in {config_key(cfgs[i]) for i in todo}]
-            builds = build_many(spec, [cfgs[i] for i in todo] + extra, self.hw)[:len(todo)]
+            builds = build_many(spec, [cfgs[i] for i in todo] + extra, self.hw, shape=wl.shape)[:len(todo)]
             compile_s = (time.perf_counter() - t) / len(todo)
             for i, b in zip(todo, builds):
                 if isinstance(b, CompileError):
@@ -201,7 +201,7 @@ class Session:
                   rounds: int = FINAL_ROUNDS, objective: Objective | None = None) -> list[Measurement]:
         """Interleaved A B C A B C ... so drift and bursts of load hit every finalist alike; median per config."""
         objective = objective or Objective()
-        builds = build_many(spec, cfgs, self.hw)
+        builds = build_many(spec, cfgs, self.hw, shape=wl.shape)
         per: list[list[Measurement]] = [[] for _ in cfgs]
         seq = 0
         for _ in range(rounds):

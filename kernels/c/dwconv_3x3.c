@@ -188,7 +188,11 @@ ET_INLINE int dwconv(const int64_t *dims, float *const *bufs, const int S) {
 
 static int et_kernel(const int64_t *dims, float *const *bufs) {
     if (dims[0] < 1 || dims[1] < 1 || dims[2] < 1) return 1;
+#if !defined(ET_SHAPE_STRIDE) || ET_SHAPE_STRIDE == 1 /* a build for one workload instantiates its stride only */
     if (dims[3] == 1) return dwconv(dims, bufs, 1);
+#endif
+#if !defined(ET_SHAPE_STRIDE) || ET_SHAPE_STRIDE == 2
     if (dims[3] == 2) return dwconv(dims, bufs, 2);
-    return 2; /* unsupported stride */
+#endif
+    return 2; /* unsupported stride, or not the one this build was specialised to */
 }

@@ -55,6 +55,7 @@ def _bytes(s: dict) -> float:
 
 
 SPEC = KernelSpec(
+    baked_dims=("stride",),
     name="conv2d_3x3",
     domain="vision",
     summary="3x3 convolution, pad 1, stride 1|2: NHWC input [H,W,Cin] * HWIO weights [3,3,Cin,Cout] -> [Ho,Wo,Cout]",

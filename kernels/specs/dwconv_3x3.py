@@ -57,6 +57,7 @@ def _bytes(s: dict) -> float:
 
 
 SPEC = KernelSpec(
+    baked_dims=("stride",),
     name="dwconv_3x3",
     domain="vision",
     summary="depthwise 3x3 convolution, pad 1, stride 1|2: NHWC input [H,W,C] * weights [3,3,C] -> [Ho,Wo,C]",
