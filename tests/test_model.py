@@ -16,7 +16,7 @@ from kernels.registry import all_specs
 from kernels.space import config_key
 from tuner.model.inference import LlamaModel, ModelError, check_gguf, default_model_path
 from tuner.model.prompt import completion_text, field_text, prompt_text
-from tuner.model.proposer import Proposer, grammar_values, partial_ok
+from tuner.model.proposer import Proposer, _Partial, grammar_values, undecided
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = default_model_path()
@@ -141,6 +141,7 @@ def _reference_scores(lm: LlamaModel, kernel: str, space) -> dict[str, float]:
     """Every valid config's log-prob by brute force: full recompute per prefix, no KV reuse, no best-first."""
     fields = grammar_values(space)
     prompt = [lm.bos] + lm.tokenize(prompt_text(kernel, space.shape, space.hw))
+    every = tuple(range(len(space.constraints)))
 
     def lsm(x):
         x = x.astype(np.float64)
@@ -159,7 +160,7 @@ def _reference_scores(lm: LlamaModel, kernel: str, space) -> dict[str, float]:
         for v in values:
             c = dict(cfg)
             c[name] = v
-            if partial_ok(space, c):
+            if undecided(space, every, _Partial(c)) is not None:  # every constraint, at every depth
                 vt = lm.tokenize(field_text(name, v))
                 logits = lm.logits(prompt + toks + vt)
                 base = len(prompt) + len(toks) - 1
@@ -203,7 +204,6 @@ def test_prefix_aware_constraints_are_rechecked_at_every_depth(proposer):
 
     from hwprobe import probe
     from kernels.space import Constraint
-    from tuner.model.proposer import _Partial, undecided
     from tuner.train.data import table_predicate
 
     spec = all_specs()["gru"]

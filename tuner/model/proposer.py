@@ -21,7 +21,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
@@ -67,13 +67,6 @@ def undecided(space: SearchSpace, pending: tuple[int, ...], cfg: _Partial) -> tu
         if cfg.looked_past:
             left.append(i)
     return tuple(left)
-
-
-def partial_ok(space: SearchSpace, cfg: Mapping[str, Any], extra: Callable[[Config], bool | None] | None = None) -> bool:
-    p = _Partial(cfg)
-    if undecided(space, tuple(range(len(space.constraints))), p) is None:
-        return False
-    return extra is None or extra(p) is not False
 
 
 def grammar_values(space: SearchSpace) -> list[tuple[str, list[Any]]]:
