@@ -66,13 +66,15 @@ def test_no_compiler_names_the_fix(hw, monkeypatch, tmp_path):
         build(GEMM, {**GEMM.default, "kc": 64}, dataclasses.replace(hw, compiler=dataclasses.replace(hw.compiler, path=None)))
 
 
-def test_workers_are_recycled(hw):
+def test_workers_are_recycled_per_distinct_library(hw):
+    libs = [build(GEMM, {**GEMM.default, "kc": kc}, hw).path for kc in (32, 64, 128, 256)]
     with Runner(recycle_after=2) as r:
-        pids = set()
-        for kc in (32, 64, 128, 256):
-            assert r.measure(GEMM, SHAPE, build(GEMM, {**GEMM.default, "kc": kc}, hw).path).ok
-            pids.add(r._proc.pid)
-    assert len(pids) == 2
+        pids = []
+        for lib in [libs[0], libs[1], libs[0], libs[1], libs[2], libs[3]]:  # finals re-measure loaded libraries
+            assert r.measure(GEMM, SHAPE, lib).ok
+            pids.append(r._proc.pid)
+    assert pids[:4] == [pids[0]] * 4, "re-measuring a loaded library must not recycle the worker"
+    assert pids[4] == pids[5] != pids[0]
 
 
 def test_estimator_prefers_undisturbed_reps():
