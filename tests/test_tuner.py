@@ -39,7 +39,7 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
 
 def test_space_validation_names_the_knob(hw):
     space = GEMM.space(SMALL.shape, hw)
-    assert space.validate({"vec": "16"})["vec"] == 16  # CLI/JSON strings coerce
+    assert space.validate({"vec": "16", "nv": "1"})["vec"] == 16  # CLI/JSON strings coerce
     with pytest.raises(BadInput, match="knob vec=3 is not allowed; allowed values: 4, 8, 16"):
         space.validate({"vec": 3})
     with pytest.raises(BadInput, match="unknown knob"):
@@ -313,7 +313,7 @@ def test_tune_report_pin_verify_export_cli(tmp_path):
         assert k in res
     rep = json.loads(_cli("report", "--json").stdout)
     assert rep[0]["kernel"] == "gemm" and rep[0]["tuned_ms"] == pytest.approx(res["ms"]) and rep[0]["ort_ms"] > 0
-    pin = {**GEMM.default, "kc": 64, "unroll_k": 1}
+    pin = {**GEMM.default, "nv": 1, "kc": 64, "unroll_k": 1}  # N=12: a 2-vector panel is pruned
     assert _cli("pin", "gemm", "kws_dscnn.fc", json.dumps(pin)).returncode == 0
     again = _cli("tune", "--kernel", "gemm", "--workload", "kws_dscnn.fc", "--budget", "4", "--force", "--json")
     assert again.returncode == 0

@@ -45,6 +45,8 @@ SPEC = KernelSpec(
         THREADS_FIT_CORES,
         Constraint("mr * nv accumulators must fit 16 vector registers", lambda c, s, hw: c["mr"] * c["nv"] <= 16),
         Constraint("kc beyond 2*K only repeats kc=K", lambda c, s, hw: c["kc"] <= max(32, 2 * s["K"])),
+        Constraint("a column panel (nv * vec) wider than N runs as scalar edge tiles",
+                   lambda c, s, hw: c["nv"] == 1 or c["nv"] * c["vec"] <= max(c["vec"], s["N"])),
     ),
     default={"mr": 4, "nv": 2, "kc": 128, "vec": 8, "unroll_k": 4, "prefetch": 0, "threads": 1},
     workloads=(
