@@ -45,6 +45,18 @@ def _corpus(limit_cases: int = 400) -> list[str]:
     return out
 
 
+def test_prompt_carries_the_work_a_shape_implies(hw):
+    """Shapes whose dims fall in the same buckets can differ 4x in work; the prompt states the flop and byte
+    buckets, since a tiny model does not learn to multiply dims, and threads/tiling choices hinge on the product."""
+    for name, spec in all_specs().items():
+        for w in spec.workloads:
+            text = prompt_text(name, w.shape, hw)
+            assert f" fl^{round(math.log2(spec.flops(w.shape)))} by^{round(math.log2(spec.bytes_moved(w.shape)))} |" \
+                in text, text
+    small, big = (prompt_text("gemm", {d: n for d in "MNK"}, hw) for n in (6, 11))  # every dim in bucket ^3
+    assert small.count(" ^3") == big.count(" ^3") == 3 and small.split(" fl^")[1] != big.split(" fl^")[1]
+
+
 def test_bundled_model_file_card_and_quantization():
     info = check_gguf(MODEL)
     assert info.size <= 5 * 1024 * 1024

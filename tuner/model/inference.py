@@ -25,7 +25,7 @@ from edgetune.errors import EdgetuneError
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "quantized_models"
 MODEL_NAME = "edgetune-tuner"
-PROMPT_FORMAT = "edgetune-prompt-2"
+PROMPT_FORMAT = "edgetune-prompt-3"
 
 
 class ModelError(EdgetuneError):

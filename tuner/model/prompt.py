@@ -1,7 +1,9 @@
 """The text the tuner model reads and writes (shared by training and inference; no heavy imports).
 
-Prompt: kernel, workload shape (each dim with its log2 bucket, so nearby sizes share a token) and the hardware
-descriptor (ISA, vector bits, cache sizes, cores, bandwidth as a log2 bucket). Completion: ` name=value` pairs in space order.
+Prompt: kernel, workload shape (each dim with its log2 bucket, so nearby sizes share a token), the work it implies
+(log2 buckets of the kernel's flop and byte counts: the product of the dims that decides threads and tiling, which
+a tiny model does not learn to multiply from a few hundred shapes), and the hardware descriptor (ISA, vector bits,
+cache sizes, cores, bandwidth as a log2 bucket). Completion: ` name=value` pairs in space order.
 """
 
 from __future__ import annotations
@@ -26,12 +28,21 @@ def hw_fields(hw: Any) -> dict:
             "l2": hw.cache_bytes(2), "l3": hw.cache_bytes(3), "bandwidth_gbps": hw.bandwidth_gbps}
 
 
+def _log2(x: float) -> int:
+    return max(0, round(math.log2(max(1.0, float(x)))))
+
+
 def prompt_text(kernel: str, shape: Mapping[str, int], hw: Any) -> str:
+    from kernels.registry import all_specs  # lazy: importing this module stays cheap (no numpy, no specs)
+
     h = hw_fields(hw)
-    dims = " ".join(f"{k} {int(v)} ^{max(0, round(math.log2(max(1, int(v)))))}" for k, v in shape.items())
+    dims = " ".join(f"{k} {int(v)} ^{_log2(v)}" for k, v in shape.items())
+    spec = all_specs().get(kernel)
+    if spec is not None:
+        dims += f" fl^{_log2(spec.flops(shape))} by^{_log2(spec.bytes_moved(shape))}"
     bw = h.get("bandwidth_gbps")
     # a log2 bucket: run-to-run noise (13.0 vs 14.2 GB/s) must not change the prompt
-    bw_txt = f"bw^{max(0, round(math.log2(bw)))}" if bw else "bw?"
+    bw_txt = f"bw^{_log2(bw)}" if bw else "bw?"
     return (f"{kernel} {dims} | {h['isa']} v{h['vector_bits']} L1 {_kb(h['l1d'])} L2 {_kb(h['l2'])} "
             f"L3 {_kb(h['l3'])} c{h['cores']} {bw_txt} ;")
 
