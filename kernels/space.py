@@ -84,7 +84,7 @@ class SearchSpace:
         return all(c.holds(cfg, self.shape, self.hw) for c in self.constraints)
 
     def validate(self, cfg: Mapping[str, Any], *, complete: bool = False) -> Config:
-        """Coerce and check a user config; missing knobs take the default unless `complete`.
+        """Coerce and check a user config; missing knobs take this shape's valid default unless `complete`.
 
         Raises BadInput naming the knob and what is allowed, or the constraint that failed.
         """
@@ -93,7 +93,8 @@ class SearchSpace:
             raise BadInput(f"unknown knob(s) {', '.join(sorted(unknown))}; knobs are: {', '.join(self.names)}")
         if complete and set(cfg) != set(self.names):
             raise BadInput(f"config is missing knob(s): {', '.join(n for n in self.names if n not in cfg)}")
-        out: Config = {p.name: p.coerce(cfg[p.name]) if p.name in cfg else self.default[p.name] for p in self.params}
+        base = self.default if complete else self.valid_default()
+        out: Config = {p.name: p.coerce(cfg[p.name]) if p.name in cfg else base[p.name] for p in self.params}
         bad = self.violations(out)
         if bad:
             raise BadInput(f"config {format_config(out)} violates: {'; '.join(bad)}")

@@ -40,6 +40,8 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
 def test_space_validation_names_the_knob(hw):
     space = GEMM.space(SMALL.shape, hw)
     assert space.validate({"vec": "16", "nv": "1"})["vec"] == 16  # CLI/JSON strings coerce
+    # N=12 rules out the default's 2-vector panel: missing knobs come from this shape's valid default
+    assert space.validate({"threads": 2}) == {**space.valid_default(), "threads": 2} != {**GEMM.default, "threads": 2}
     with pytest.raises(BadInput, match="knob vec=3 is not allowed; allowed values: 4, 8, 16"):
         space.validate({"vec": 3})
     with pytest.raises(BadInput, match="unknown knob"):
