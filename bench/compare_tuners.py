@@ -171,7 +171,9 @@ def run_opentuner(space: TableSpace, table: dict, budget: int, seed: int) -> tup
     man = ConfigurationManipulator()
     for p in space.params:
         man.add_parameter(EnumParameter(p.name, [str(v) for v in p.values]))
-    with tempfile.TemporaryDirectory() as td, contextlib.chdir(td):  # opentuner writes opentuner.log in cwd
+    with tempfile.TemporaryDirectory() as td, contextlib.chdir(td), warnings.catch_warnings():
+        # opentuner writes opentuner.log in cwd; its driver's flush warns (SQLAlchemy 2) on every run, harmlessly
+        warnings.filterwarnings("ignore", message=".*not in session.*")
         args = argparse.Namespace(**{**vars(_opentuner_args()), "database": f"sqlite:///{td}/ot.db",
                                      "seed": seed})
         mi = DefaultMeasurementInterface(args=args, manipulator=man, project_name="edgetune",
