@@ -62,6 +62,8 @@ class Runner:
 
     def close(self) -> None:
         if self._proc is not None:
+            if not self._loaded:  # possibly still importing: nothing to wind down, so do not wait for it
+                self._proc.kill()
             try:
                 self._proc.stdin.close()
                 self._proc.wait(timeout=2)

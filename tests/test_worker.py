@@ -77,6 +77,16 @@ def test_workers_are_recycled_per_distinct_library(hw):
     assert pids[4] == pids[5] != pids[0]
 
 
+def test_a_runner_that_measured_nothing_leaves_no_worker():
+    """Entering starts a worker early (its imports overlap the caller's set-up); leaving before any measurement
+    (a fully cached tune) stops it without waiting for those imports."""
+    import psutil
+
+    with Runner() as r:
+        worker = psutil.Process(r._proc.pid)
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
 def test_estimator_prefers_undisturbed_reps():
     ms, cv, used, name = estimate([1.0, 1.1, 5.0, 1.05, 0.9], [0, 0, 3, 0, 1])
     assert name == "median-undisturbed" and used == 3 and ms == 1.05
