@@ -46,8 +46,9 @@ def _corpus(limit_cases: int = 400) -> list[str]:
 
 
 def test_prompt_carries_the_work_a_shape_implies(hw):
-    """Shapes whose dims fall in the same buckets can differ 4x in work; the prompt states the flop and byte
-    buckets, since a tiny model does not learn to multiply dims, and threads/tiling choices hinge on the product."""
+    """Shapes whose dims fall in the same buckets can differ several-fold in work; the prompt states the flop and
+    byte buckets, since a tiny model does not learn to multiply dims, and threads/tiling choices hinge on the
+    product."""
     for name, spec in all_specs().items():
         for w in spec.workloads:
             text = prompt_text(name, w.shape, hw)
