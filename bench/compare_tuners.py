@@ -340,7 +340,7 @@ def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
                 load = os.getloadavg()[0]
                 t0 = time.perf_counter()
                 res = sess.tune(spec, wl, strategy=name, force=True,
-                                budget=Budget(evals=20 if name != "llm" else 20, patience=15))
+                                budget=Budget(evals=20, patience=15))
                 wall = time.perf_counter() - t0
                 rows.append({"kernel": case.kernel, "workload": case.workload, "strategy": name,
                              "wall_s": wall, "evals": res.evals, "ms": res.ms, "best_known_ms": case.best_ms(),
