@@ -60,8 +60,8 @@ class KernelSpec:
     shape_problems: Callable[[Shape], list[str]] = lambda s: []
     extra_headers: tuple[Path, ...] = field(default_factory=tuple)
     # shape dims a build for one workload compiles in as constants (-DET_SHAPE_<DIM>=v), so the compiler
-    # instantiates only that case (a stride-specialised kernel compiles ~2x faster); builds meant for many shapes
-    # (the collector) leave them out
+    # instantiates only that case (measured: a stride-specialised dwconv compiles in 0.54-0.59x the time, conv2d
+    # in 0.8-0.9x); builds meant for many shapes (the collector) leave them out
     baked_dims: tuple[str, ...] = ()
 
     def space(self, shape: Shape, hw: Any) -> SearchSpace:
