@@ -72,3 +72,43 @@ def test_gemm_remainders_handled(hw, runner):
         for cfg in [space.valid_default()] + space.sample(2, random.Random(7)):
             m = runner.measure(spec, shape, build(spec, cfg, hw).path, min_time_s=0.01, max_reps=5)
             assert m.ok, f"{shape} {cfg}: {m.reason}"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_threads_need_work(spec: KernelSpec):
+    """A fork-join outweighs a tiny workload: threads > 1 is pruned below MIN_FLOPS_PER_THREAD flops per thread,
+    naming the reason, and stays in the space once each thread has that much work."""
+    from kernels.spec import MIN_FLOPS_PER_THREAD
+    from tuner.train.data import HwView
+
+    hw = HwView({"isa": "x86-64-v3", "vector_bits": 256, "cores": 4})
+    by_flops = sorted((spec.flops(w.shape), w.shape) for w in spec.workloads)
+    small = dict(by_flops[0][1])
+    while spec.flops(small) >= 2 * MIN_FLOPS_PER_THREAD:  # shrink the smallest bundled workload below the bound
+        big_dim = max((d.name for d in spec.dims if not d.choices and small[d.name] > 1), key=lambda n: small[n])
+        small[big_dim] = max(1, small[big_dim] // 2)
+        if spec.shape_problems(small):
+            pytest.skip(f"{spec.name}: no valid shape below {2 * MIN_FLOPS_PER_THREAD:.0e} flops")
+    tiny = spec.space(small, hw)
+    cfg = dict(tiny.valid_default(), threads=2)
+    assert not tiny.is_valid(cfg)
+    assert any("flops" in why for why in tiny.violations(cfg))
+    large = spec.space(by_flops[-1][1], hw)
+    assert spec.flops(large.shape) >= 4 * MIN_FLOPS_PER_THREAD
+    assert large.is_valid(dict(large.valid_default(), threads=2))
+
+
+def test_thread_bound_matches_the_collected_data():
+    """The bound is the data's: in every collected case below 2 * MIN_FLOPS_PER_THREAD flops, the fastest measured
+    config runs one thread (so pruning more threads there never drops a best config)."""
+    from pathlib import Path
+
+    from kernels.spec import MIN_FLOPS_PER_THREAD
+    from tuner.train import data as D
+
+    cases = D.load_collector(Path(D.DEFAULT_DATA))
+    specs = all_specs()
+    tiny = [c for c in cases.values() if c.table() and specs[c.kernel].flops(c.shape) < 2 * MIN_FLOPS_PER_THREAD]
+    assert len(tiny) >= 50, "the dataset should hold many tiny cases"
+    multi = [c for c in tiny if c.ranked()[0][0]["threads"] != 1]
+    assert not multi, [(c.kernel, c.isa, c.workload, c.ranked()[0]) for c in multi[:3]]

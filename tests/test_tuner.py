@@ -41,7 +41,9 @@ def test_space_validation_names_the_knob(hw):
     space = GEMM.space(SMALL.shape, hw)
     assert space.validate({"vec": "16", "nv": "1"})["vec"] == 16  # CLI/JSON strings coerce
     # N=12 rules out the default's 2-vector panel: missing knobs come from this shape's valid default
-    assert space.validate({"threads": 2}) == {**space.valid_default(), "threads": 2} != {**GEMM.default, "threads": 2}
+    assert space.validate({"prefetch": 2}) == {**space.valid_default(), "prefetch": 2} != {**GEMM.default, "prefetch": 2}
+    with pytest.raises(BadInput, match="flops"):  # 1.5 kflops: a second thread costs more than the whole product
+        space.validate({"threads": 2})
     with pytest.raises(BadInput, match="knob vec=3 is not allowed; allowed values: 4, 8, 16"):
         space.validate({"vec": 3})
     with pytest.raises(BadInput, match="unknown knob"):
