@@ -179,6 +179,12 @@ def check_gguf(path: Path, *, hash_file: bool = True) -> GGUFInfo:
 
 # ---- llama.cpp model --------------------------------------------------------------------------------------
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max()
+    return x - np.log(np.exp(x).sum())
+
+
 @dataclass
 class _Batch:
     tokens: list[int] = field(default_factory=list)
@@ -283,31 +289,34 @@ class LlamaModel:
         self.L.llama_memory_seq_rm(self.mem, seq, p0, -1)
 
     def decode(self, b: _Batch) -> dict[int, np.ndarray]:
-        """Decode a batch; returns batch index -> log-softmax over the vocab, for entries that asked for logits."""
+        """Decode a batch; returns batch index -> raw logits (float32) for the entries that asked for them.
+
+        Raw, not log-softmax: a search that renormalises over a field's admissible values cancels the vocabulary's
+        normaliser, and skipping it saves a float64 exp over every row (see `log_softmax` for when it is needed)."""
         n = len(b.tokens)
         if n == 0:
             return {}
         if n > self._cap:
             raise ModelError("batch too large")
         B = self._batch
-        for i in range(n):
-            B.token[i] = b.tokens[i]
-            B.pos[i] = b.pos[i]
-            B.n_seq_id[i] = len(b.seqs[i])
-            for j, s in enumerate(b.seqs[i]):
-                B.seq_id[i][j] = s
-            B.logits[i] = 1 if b.logits[i] else 0
+        token, pos, n_seq_id, seq_id, want = B.token, B.pos, B.n_seq_id, B.seq_id, B.logits
+        for i, (t, p, seqs, lg) in enumerate(zip(b.tokens, b.pos, b.seqs, b.logits)):
+            token[i] = t
+            pos[i] = p
+            n_seq_id[i] = len(seqs)
+            ids = seq_id[i]
+            for j, s in enumerate(seqs):
+                ids[j] = s
+            want[i] = lg
         B.n_tokens = n
         rc = self.L.llama_decode(self.ctx, B)
         if rc != 0:
             raise ModelError(f"llama_decode failed ({rc}) on the tuner model {self.path}")
-        rows = [i for i in range(n) if b.logits[i]]
+        rows = [i for i, lg in enumerate(b.logits) if lg]
         if not rows:
             return {}
-        # all output rows at once (llama_get_logits returns them in batch order): one log-softmax, not one per row
-        x = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(rows), self.n_vocab)).astype(np.float64)
-        x -= x.max(axis=1, keepdims=True)
-        x -= np.log(np.exp(x).sum(axis=1, keepdims=True))
+        # all output rows at once (llama_get_logits returns them in batch order)
+        x = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(rows), self.n_vocab)).copy()
         return dict(zip(rows, x))
 
     def logits(self, tokens: list[int]) -> np.ndarray:

@@ -27,7 +27,7 @@ import numpy as np
 
 from kernels.space import Config, SearchSpace, config_key
 from tuner.grammar import export_grammar
-from tuner.model.inference import LlamaModel, ModelError, _Batch
+from tuner.model.inference import LlamaModel, ModelError, _Batch, log_softmax
 from tuner.model.prompt import field_text, prompt_text
 
 
@@ -88,17 +88,18 @@ def grammar_values(space: SearchSpace) -> list[tuple[str, list[Any]]]:
     return out
 
 
-@dataclass(order=True)
+@dataclass(slots=True)
 class _Node:
-    neg: float
-    tie: int
-    values: tuple = field(compare=False)  # assigned values, in field order
-    tokens: list[int] = field(compare=False, default_factory=list)  # all completion tokens so far
-    own: int = field(compare=False, default=0)  # how many trailing tokens belong to the last field
-    parent: "_Node | None" = field(compare=False, default=None)
-    seq: int | None = field(compare=False, default=None)  # KV sequence holding prompt + tokens
-    lp: np.ndarray | None = field(compare=False, default=None)  # log-softmax after the last token
-    pending: tuple[int, ...] = field(compare=False, default=())  # constraints the assigned values leave open
+    """A partial config; the heap holds (neg, tie, node) tuples, which compare in C."""
+
+    neg: float  # minus its log-probability
+    values: tuple  # assigned values, in field order
+    tokens: list[int] = field(default_factory=list)  # all completion tokens so far
+    own: int = 0  # how many trailing tokens belong to the last field
+    parent: "_Node | None" = None
+    seq: int | None = None  # KV sequence holding prompt + tokens
+    lp: np.ndarray | None = None  # raw logits after the last token
+    pending: tuple[int, ...] = ()  # constraints the assigned values leave open
 
 
 @dataclass
@@ -161,16 +162,16 @@ class Proposer:
         self._owners: dict[int, _Node] = {}
         self._protected: set = set()
         tie = itertools.count()
-        root = _Node(0.0, next(tie), (), [], 0, None, 0, lp0, tuple(range(len(space.constraints))))
-        heap: list[_Node] = [root]
+        root = _Node(0.0, (), [], 0, None, 0, lp0, tuple(range(len(space.constraints))))
+        heap: list[tuple[float, int, _Node]] = [(0.0, next(tie), root)]
         out: list[Proposal] = []
         seen: set[str] = set()
         expansions = decodes = 0
         nf = len(fields)
         names = [n for n, _ in fields]
         while heap and len(out) < k and expansions < self.max_expansions:
-            if len(heap[0].values) == nf:  # a complete config at the top of the heap: exact next-best
-                node = heapq.heappop(heap)
+            if len(heap[0][2].values) == nf:  # a complete config at the top of the heap: exact next-best
+                node = heapq.heappop(heap)[2]
                 cfg = dict(zip(names, node.values))
                 key = config_key(cfg)
                 if key not in seen and space.is_valid(cfg) and (extra is None or extra(_Partial(cfg)) is not False):
@@ -179,8 +180,8 @@ class Proposer:
                 continue
             batch_nodes = []
             per = max(1, min(self.expand_per_decode, (m.n_seq_max - 1) // 3))  # room for nodes, parents, temps
-            while heap and len(batch_nodes) < per and len(heap[0].values) < nf:
-                batch_nodes.append(heapq.heappop(heap))
+            while heap and len(batch_nodes) < per and len(heap[0][2].values) < nf:
+                batch_nodes.append(heapq.heappop(heap)[2])
             expansions += len(batch_nodes)
             decodes += self._expand(batch_nodes, fields, names, space, extra, heap, tie, n_prompt)
         m.clear()
@@ -242,19 +243,22 @@ class Proposer:
         for node, cands, temps, cand_idx, own_idx in plans:
             if node.lp is None:
                 node.lp = lps[own_idx]
-            sc = node.lp[[toks[0] for _, toks, _ in cands]]  # first tokens from the node's logits, at once
+            # first tokens from the node's raw logits, at once: the renormalisation below cancels the vocabulary's
+            # normaliser; a value's later tokens each condition on a different prefix, so they are log-softmaxed
+            sc = node.lp[[toks[0] for _, toks, _ in cands]].tolist()
             for c, ((_, toks, _), idx) in enumerate(zip(cands, cand_idx)):
                 for j in range(1, len(toks)):
-                    sc[c] += lps[idx[j - 1]][toks[j]]
+                    sc[c] += float(log_softmax(lps[idx[j - 1]])[toks[j]])
             for t in temps:
                 if t is not None:
                     m.seq_rm(t)
                     self._free.append(t)
-            top = sc.max()
-            negs = (node.neg - (sc - (top + math.log(np.exp(sc - top).sum())))).tolist()
-            for (v, toks, left), neg in zip(cands, negs):
-                heapq.heappush(heap, _Node(neg, next(tie), node.values + (v,), node.tokens + toks, len(toks), node,
-                                           pending=left))
+            top = max(sc)
+            base = node.neg + top + math.log(sum(math.exp(x - top) for x in sc))
+            for (v, toks, left), x in zip(cands, sc):
+                neg = base - x
+                heapq.heappush(heap, (neg, next(tie), _Node(neg, node.values + (v,), node.tokens + toks, len(toks),
+                                                             node, pending=left)))
         return 1
 
     def _get(self) -> int:
