@@ -254,8 +254,10 @@ def test_stack_runs_under_the_units_confinement(confined) -> None:
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     print(r.stdout.strip())
-    r = subprocess.run([*confined, sys.executable, "-m", "edgetune.main", "bench", "gemm", "--workload", "kws_dscnn.fc",
-                        "--ort", "--json", "--config", '{"threads": 2}'], cwd=REPO, env=env, capture_output=True,
+    # a workload big enough for 2 threads (9.6 Mflops: the space refuses threads=2 below 2e5)
+    r = subprocess.run([*confined, sys.executable, "-m", "edgetune.main", "bench", "gemm", "--workload",
+                        "mobilenetv2.b6.project", "--ort", "--json", "--config", '{"threads": 2}'], cwd=REPO, env=env,
+                       capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(r.stdout)
