@@ -16,7 +16,7 @@ C_DIR = Path(__file__).resolve().parent / "c"
 HEADER = C_DIR / "edgetune_kernel.h"
 
 # An OpenMP fork-join costs ~10 us here, the time of ~1e5 flops: in the 792 collected cases (every kernel, three
-# ISAs) threads=2 never beat threads=1 below 2e5 flops, and lost by up to 400x on the smallest.
+# ISAs) threads=2 never beat threads=1 below 2e5 flops, and lost by up to 438x on the smallest.
 MIN_FLOPS_PER_THREAD = 1e5
 
 
