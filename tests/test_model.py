@@ -234,6 +234,29 @@ def test_prefix_aware_constraints_are_rechecked_at_every_depth(proposer):
         assert lp == pytest.approx(ref[k], abs=1e-2) and ref[k] == pytest.approx(rlp, abs=1e-2)
 
 
+def test_a_field_with_one_admissible_value_costs_no_decode(proposer):
+    """A field the constraints leave one value has probability 1 after renormalisation, so the search passes
+    through it without decoding: with every knob but the last pinned, one node is decoded (the one that scores the
+    last knob), and the ranking is still the brute force's."""
+    import dataclasses
+
+    from hwprobe import probe
+    from kernels.space import Constraint
+
+    spec = all_specs()["gru"]
+    base = spec.space(spec.workloads[1].shape, probe(isa_cap="x86-64-v2", measure_bandwidth=False))
+    pin = {n: v for n, v in next(iter(base.enumerate())).items() if n != base.names[-1]}
+    space = dataclasses.replace(base, constraints=base.constraints + (
+        Constraint("pinned", lambda c, s, h: all(c[n] == v for n, v in pin.items() if n in c)),))
+    ref = sorted(_reference_scores(proposer.m, "gru", space).items(), key=lambda kv: -kv[1])
+    assert len(ref) >= 2
+    res = proposer.propose("gru", space, len(ref))
+    assert res.expansions == 1 and res.decodes == 1
+    assert [config_key(p.config) for p in res.proposals] == [k for k, _ in ref]
+    for p, (_, lp) in zip(res.proposals, ref):
+        assert p.logprob == pytest.approx(lp, abs=1e-2)
+
+
 def test_proposals_valid_distinct_and_ranked(proposer, hw):
     for name, spec in all_specs().items():
         for wl in spec.workloads:

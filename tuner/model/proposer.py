@@ -4,7 +4,9 @@ The completion is ` name=value` pairs in space order, so a config's log-probabil
 log P(value | prompt, earlier fields). Each field's distribution is renormalised over the values the grammar
 admits that the constraints do not already rule out (a constraint is evaluated on a partial config through a
 dict that raises KeyError for unassigned knobs: an error means "undetermined", False prunes). Scores only fall
-as fields are added, so popping partial configs best-first yields the exact top-K complete ones, in order.
+as fields are added, so popping partial configs best-first yields the exact top-K complete ones, in order. A field
+the constraints leave a single value has probability 1 after renormalisation: the search passes through it without
+decoding, and the skipped token is decoded with the next one.
 
 KV reuse: the prompt is decoded once into sequence 0. Expanding a node copies its parent's KV sequence
 (`llama_memory_seq_cp`, no recompute) and decodes only the node's own value tokens; the first token of every
@@ -67,6 +69,22 @@ def undecided(space: SearchSpace, pending: tuple[int, ...], cfg: _Partial) -> tu
         if cfg.looked_past:
             left.append(i)
     return tuple(left)
+
+
+def candidates(space: SearchSpace, fields: list, names: list[str], node: "_Node",
+               extra: Callable[[Config], bool | None] | None) -> list[tuple[Any, list[int], tuple[int, ...]]]:
+    """The values of `node`'s next field that no constraint (nor `extra`) rules out: (value, tokens, the
+    constraints still undetermined)."""
+    name, values = fields[len(node.values)]
+    assigned = dict(zip(names, node.values))
+    out = []
+    for v, vt in values:
+        cfg = _Partial(assigned)
+        cfg[name] = v
+        left = undecided(space, node.pending, cfg)
+        if left is not None and (extra is None or extra(cfg) is not False):
+            out.append((v, vt, left))
+    return out
 
 
 def grammar_values(space: SearchSpace) -> list[tuple[str, list[Any]]]:
@@ -178,36 +196,32 @@ class Proposer:
                     seen.add(key)
                     out.append(Proposal(cfg, -node.neg))
                 continue
-            batch_nodes = []
+            batch = []
             per = max(1, min(self.expand_per_decode, (m.n_seq_max - 1) // 3))  # room for nodes, parents, temps
-            while heap and len(batch_nodes) < per and len(heap[0][2].values) < nf:
-                batch_nodes.append(heapq.heappop(heap)[2])
-            expansions += len(batch_nodes)
-            decodes += self._expand(batch_nodes, fields, names, space, extra, heap, tie, n_prompt)
+            while heap and len(batch) < per and len(heap[0][2].values) < nf:
+                node = heapq.heappop(heap)[2]
+                cands = candidates(space, fields, names, node, extra)
+                if len(cands) > 1:
+                    batch.append((node, cands))
+                elif cands:  # one admissible value has probability 1 after renormalisation: nothing to decode
+                    v, toks, left = cands[0]
+                    parent, own = (node.parent, node.own + len(toks)) if node.lp is None else (node, len(toks))
+                    heapq.heappush(heap, (node.neg, next(tie), _Node(node.neg, node.values + (v,), node.tokens + toks,
+                                                                     own, parent, pending=left)))
+            expansions += len(batch)
+            if batch:
+                decodes += self._expand(batch, heap, tie, n_prompt)
         m.clear()
         return ProposeResult(out, (time.perf_counter() - t0) * 1e3, expansions, decodes, prompt)
 
-    def _expand(self, nodes: list[_Node], fields, names: list[str], space: SearchSpace, extra, heap: list, tie,
-                n_prompt: int) -> int:
+    def _expand(self, batch: list[tuple[_Node, list]], heap: list, tie, n_prompt: int) -> int:
         """Materialise each node's KV + logits, score every candidate value of its next field, push children."""
         m = self.m
         b = _Batch()
         plans = []  # (node, candidates [(value, toks, undecided constraints)], temp seqs, batch idx of prefix tokens)
-        protected = {n.parent.seq for n in nodes if n.parent is not None} | {n.seq for n in nodes}
+        protected = {n.parent.seq for n, _ in batch if n.parent is not None} | {n.seq for n, _ in batch}
         self._protected = protected
-        for node in nodes:
-            d = len(node.values)
-            name, values = fields[d]
-            assigned = dict(zip(names, node.values))
-            cands = []
-            for v, vt in values:
-                cfg = _Partial(assigned)
-                cfg[name] = v
-                left = undecided(space, node.pending, cfg)
-                if left is not None and (extra is None or extra(cfg) is not False):
-                    cands.append((v, vt, left))
-            if not cands:
-                continue
+        for node, cands in batch:
             temps = [self._get() if len(toks) > 1 else None for _, toks, _ in cands]
             live_temps = [t for t in temps if t is not None]
             own_idx = None
@@ -237,8 +251,6 @@ class Proposer:
                         idx.append(b.add(tk, pos0 + j, [t], True))
                 cand_idx.append(idx)
             plans.append((node, cands, temps, cand_idx, own_idx))
-        if not plans:
-            return 0
         lps = m.decode(b) if b.tokens else {}
         for node, cands, temps, cand_idx, own_idx in plans:
             if node.lp is None:
