@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="collector data to train on as well (default: the committed dataset)")
     p.add_argument("--no-base", action="store_true", help="train on the records only")
     p.add_argument("--out", help="output dir (default: <state dir>/models)")
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, help="training steps (default: the shipped model's recipe)")
     p.add_argument("--max-minutes", type=float, default=30.0)
     json_flag(p)
     p.set_defaults(func=cmd_train)
@@ -73,7 +73,7 @@ def cmd_propose(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     try:
         from tuner.train import data as D
-        from tuner.train.train import run
+        from tuner.train.train import Recipe, run
     except ImportError as e:
         raise EdgetuneError(f"training needs the [train] extra (torch, sentencepiece, gguf): {e}; "
                             "install it with `pip install -e '.[train]'`")
@@ -86,8 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     data = [Path(p) for p in args.data] if args.data else ([] if args.no_base else [D.DEFAULT_DATA])
     t = time.time()
     with contextlib.redirect_stdout(sys.stderr):  # progress goes to stderr; stdout stays the result (--json)
-        card = run([p for p in data if p.exists()], [Path(r) for r in args.records], out, dim=256, layers=2, heads=4,
-                   ffn=768, vocab=768, steps=args.steps, batch=16, lr=2e-3, top=10, tau=0.08, seed=0, threads=2,
+        card = run([p for p in data if p.exists()], [Path(r) for r in args.records], out,
+                   Recipe(**({"steps": args.steps} if args.steps else {})),
                    deadline_s=args.max_minutes * 60)
     res = {"model": str(out / card["file"]), "version": card["version"], "bytes": card["bytes"],
            "heldout": card["heldout"], "seconds": round(time.time() - t, 1)}

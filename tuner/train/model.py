@@ -18,10 +18,10 @@ import torch.nn.functional as F
 @dataclass
 class Config:
     vocab: int
-    dim: int = 256
-    layers: int = 2
-    heads: int = 4
-    ffn: int = 768
+    dim: int
+    layers: int
+    heads: int
+    ffn: int
     ctx: int = 128
     eps: float = 1e-5
     rope_base: float = 10000.0
