@@ -269,6 +269,20 @@ def test_proposals_valid_distinct_and_ranked(proposer, hw):
             assert res.latency_ms > 0  # speed itself is measured in bench/compare_tuners.py, not here
 
 
+def test_a_search_runs_to_its_expansion_cap_recycling_kv_sequences(proposer, hw):
+    """A top-400 on the largest spaces expands more nodes (600) than there are KV sequences (128): the search
+    recycles the worst-scoring nodes' sequences (their children rebuild from the prompt) and still returns valid,
+    distinct configs in score order."""
+    for name in ("conv2d_3x3", "conv1d"):
+        spec = all_specs()[name]
+        space = spec.space(spec.workloads[0].shape, hw)
+        res = proposer.propose(name, space, 400)
+        assert res.expansions >= proposer.max_expansions
+        assert len(res.proposals) > 100 and all(space.is_valid(p.config) for p in res.proposals)
+        assert len({config_key(p.config) for p in res.proposals}) == len(res.proposals)
+        assert [p.logprob for p in res.proposals] == sorted((p.logprob for p in res.proposals), reverse=True)
+
+
 def test_constraints_prune_the_search(proposer, hw):
     spec = all_specs()["gemm"]
     space = spec.space({"M": 64, "N": 64, "K": 8}, hw)  # kc <= 32 only; mr*nv <= 16

@@ -203,7 +203,10 @@ class _Batch:
 class LlamaModel:
     """One llama.cpp model + context (n_threads=1, logging silenced), with tokenise / decode / seq helpers."""
 
-    def __init__(self, path: Path | None = None, *, n_seq_max: int = 128, n_ctx: int = 4096, threads: int = 1):
+    def __init__(self, path: Path | None = None, *, n_seq_max: int = 128, n_ctx: int = 2048, threads: int = 1):
+        """n_ctx is KV cells shared by all sequences (kv_unified): a search holds at most the prompt plus each live
+        sequence's own tokens (n_seq_max x fields, ~1,100 cells). Every seq_cp / seq_rm / clear walks all the cells,
+        ~60% dearer at 4096."""
         import llama_cpp.llama_cpp as L
 
         self.L = L
