@@ -154,7 +154,7 @@ def _reference_scores(lm: LlamaModel, kernel: str, space) -> dict[str, float]:
     """Every valid config's log-prob by brute force: full recompute per prefix, no KV reuse, no best-first."""
     fields = grammar_values(space)
     prompt = [lm.bos] + lm.tokenize(prompt_text(kernel, space.shape, space.hw))
-    every = tuple(range(len(space.constraints)))
+    every = tuple((i, None) for i in range(len(space.constraints)))
 
     def lsm(x):
         x = x.astype(np.float64)
@@ -225,13 +225,46 @@ def test_prefix_aware_constraints_are_rechecked_at_every_depth(proposer):
     in_table = table_predicate(base.names, table)
     space = dataclasses.replace(base, constraints=base.constraints + (Constraint("in table", lambda c, s, h: in_table(c)),))
     first = _Partial({base.names[0]: table[0][base.names[0]]})
-    assert len(space.constraints) - 1 in undecided(space, tuple(range(len(space.constraints))), first)
+    assert (len(space.constraints) - 1, None) in undecided(space, tuple((i, None) for i in range(len(space.constraints))), first)
     ref = _reference_scores(proposer.m, "gru", space)
     assert set(ref) == {config_key(c) for c in table}
     top = sorted(ref.items(), key=lambda kv: -kv[1])[:8]
     got = [(config_key(p.config), p.logprob) for p in proposer.propose("gru", space, 8).proposals]
     for (k, lp), (_, rlp) in zip(got, top):
         assert lp == pytest.approx(ref[k], abs=1e-2) and ref[k] == pytest.approx(rlp, abs=1e-2)
+
+
+def test_a_constraint_waits_for_the_knob_it_stopped_at(hw):
+    """A constraint that stopped reading an unassigned knob is not re-run until that knob is assigned; one that
+    asked `in` about an unassigned knob is re-run at every depth (its answer may change)."""
+    import dataclasses
+
+    from kernels.space import Constraint
+
+    spec = all_specs()["gru"]
+    base = spec.space(spec.workloads[1].shape, hw)
+    first, mid, last = base.names[0], base.names[len(base.names) // 2], base.names[-1]
+    runs = {"reads": 0, "asks": 0}
+
+    def reads(c, s, h):
+        runs["reads"] += 1
+        return c[first] is not None and c[last] is not None
+
+    def asks(c, s, h):
+        runs["asks"] += 1
+        return last not in c or c[last] is not None
+
+    space = dataclasses.replace(base, constraints=(Constraint("reads", reads), Constraint("asks", asks)))
+    pending = ((0, None), (1, None))
+    cfg = {}
+    for depth, name in enumerate(base.names[:-1]):
+        cfg[name] = base.params[depth].values[0]
+        pending = undecided(space, pending, _Partial(cfg))
+        assert pending == ((0, last), (1, None))
+        if name == mid:
+            assert runs == {"reads": 1, "asks": depth + 1}  # read once (at the first knob), asked at every depth
+    cfg[last] = base.params[-1].values[0]
+    assert undecided(space, pending, _Partial(cfg)) == () and runs["reads"] == 2
 
 
 def test_a_field_with_one_admissible_value_costs_no_decode(proposer):

@@ -36,43 +36,57 @@ from tuner.model.prompt import field_text, prompt_text
 class _Partial(dict):
     """A partial config: reading an unassigned knob raises KeyError (the constraint is undetermined). Asking whether
     an unassigned knob is there (`in`, `get`) is allowed, for prefix-aware predicates, and is remembered in
-    `looked_past`: such an answer may change as knobs are assigned."""
+    `asked`: such an answer may change as knobs are assigned. `missed` lists the unassigned knobs read."""
 
-    looked_past = False
+    asked = False
+    missed: tuple = ()
 
     def __missing__(self, key: str) -> Any:
-        self.looked_past = True
+        self.missed += (key,)
         raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
         found = dict.__contains__(self, key)
-        self.looked_past |= not found
+        self.asked |= not found
         return found
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
 
 
-def undecided(space: SearchSpace, pending: tuple[int, ...], cfg: _Partial) -> tuple[int, ...] | None:
-    """The constraints (indices into space.constraints) of `pending` that `cfg` leaves undetermined, or None when
-    one of them fails. A constraint that held without looking at an unassigned knob holds for every completion of
-    `cfg`, so a search node hands its children only the undetermined ones."""
+Pending = tuple[tuple[int, "str | None"], ...]  # (constraint index, the unassigned knob its evaluation stopped at)
+
+
+def undecided(space: SearchSpace, pending: Pending, cfg: _Partial) -> Pending | None:
+    """The constraints of `pending` that `cfg` leaves undetermined, or None when one of them fails.
+
+    A constraint that held without looking at an unassigned knob holds for every completion of `cfg`, so a search
+    node hands its children only the undetermined ones. One whose first look past the assigned knobs was reading
+    knob K (a KeyError, nothing asked before) retraces the same reads until K is assigned, so it is skipped until
+    then; one that asked `in`/`get` about an unassigned knob, or raised TypeError, is re-evaluated at every depth."""
     left = []
-    for i in pending:
-        cfg.looked_past = False
+    for i, blocker in pending:
+        if blocker is not None and not dict.__contains__(cfg, blocker):
+            left.append((i, blocker))
+            continue
+        cfg.asked, cfg.missed = False, ()
         try:
             if not space.constraints[i].holds(cfg, space.shape, space.hw):
                 return None
-        except (KeyError, TypeError):
-            left.append(i)
+        except KeyError as e:
+            clean = not cfg.asked and cfg.missed == e.args  # stopped at its first look past the assigned knobs
+            left.append((i, e.args[0] if clean else None))
             continue
-        if cfg.looked_past:
-            left.append(i)
+        except TypeError:
+            left.append((i, None))
+            continue
+        if cfg.asked or cfg.missed:
+            left.append((i, None))
     return tuple(left)
 
 
 def candidates(space: SearchSpace, fields: list, names: list[str], node: "_Node",
-               extra: Callable[[Config], bool | None] | None) -> list[tuple[Any, list[int], tuple[int, ...]]]:
+               extra: Callable[[Config], bool | None] | None) -> list[tuple[Any, list[int], Pending]]:
     """The values of `node`'s next field that no constraint (nor `extra`) rules out: (value, tokens, the
     constraints still undetermined)."""
     name, values = fields[len(node.values)]
@@ -117,7 +131,7 @@ class _Node:
     parent: "_Node | None" = None
     seq: int | None = None  # KV sequence holding prompt + tokens
     lp: np.ndarray | None = None  # raw logits after the last token
-    pending: tuple[int, ...] = ()  # constraints the assigned values leave open
+    pending: Pending = ()  # constraints the assigned values leave open
 
 
 @dataclass
@@ -180,7 +194,7 @@ class Proposer:
         self._owners: dict[int, _Node] = {}
         self._protected: set = set()
         tie = itertools.count()
-        root = _Node(0.0, (), [], 0, None, 0, lp0, tuple(range(len(space.constraints))))
+        root = _Node(0.0, (), [], 0, None, 0, lp0, tuple((i, None) for i in range(len(space.constraints))))
         heap: list[tuple[float, int, _Node]] = [(0.0, next(tie), root)]
         out: list[Proposal] = []
         seen: set[str] = set()
