@@ -270,7 +270,7 @@ def test_a_constraint_waits_for_the_knob_it_stopped_at(hw):
 def test_a_field_with_one_admissible_value_costs_no_decode(proposer):
     """A field the constraints leave one value has probability 1 after renormalisation, so the search passes
     through it without decoding: with every knob but the last pinned, one node is decoded (the one that scores the
-    last knob), and the ranking is still the brute force's."""
+    last knob), and the ranking is still the brute force's; with every knob but the first pinned, none is."""
     import dataclasses
 
     from hwprobe import probe
@@ -288,6 +288,15 @@ def test_a_field_with_one_admissible_value_costs_no_decode(proposer):
     assert [config_key(p.config) for p in res.proposals] == [k for k, _ in ref]
     for p, (_, lp) in zip(res.proposals, ref):
         assert p.logprob == pytest.approx(lp, abs=1e-2)
+    # gemm with every knob but the first (mr) pinned: the prompt's logits score mr, and nothing else is decoded
+    spec = all_specs()["gemm"]
+    base = spec.space(spec.workloads[0].shape, probe(isa_cap="x86-64-v2", measure_bandwidth=False))
+    pin2 = {n: v for n, v in next(iter(base.enumerate())).items() if n != "mr"}
+    space = dataclasses.replace(base, constraints=base.constraints + (
+        Constraint("pinned", lambda c, s, h: all(c[n] == v for n, v in pin2.items() if n in c)),))
+    res = proposer.propose("gemm", space, 2)
+    assert base.names[0] == "mr" and len(res.proposals) == 2
+    assert res.expansions == 1 and res.decodes == 0
 
 
 def test_proposals_valid_distinct_and_ranked(proposer, hw):

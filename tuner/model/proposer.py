@@ -265,7 +265,7 @@ class Proposer:
                         idx.append(b.add(tk, pos0 + j, [t], True))
                 cand_idx.append(idx)
             plans.append((node, cands, temps, cand_idx, own_idx))
-        lps = m.decode(b) if b.tokens else {}
+        lps = m.decode(b) if b.tokens else {}  # the root's logits come with the prompt: nothing to decode
         for node, cands, temps, cand_idx, own_idx in plans:
             if node.lp is None:
                 node.lp = lps[own_idx]
@@ -285,7 +285,7 @@ class Proposer:
                 neg = base - x
                 heapq.heappush(heap, (neg, next(tie), _Node(neg, node.values + (v,), node.tokens + toks, len(toks),
                                                              node, pending=left)))
-        return 1
+        return 1 if b.tokens else 0
 
     def _get(self) -> int:
         """A free KV sequence; when none is left, recycle the one of the worst-scoring materialised node that this
