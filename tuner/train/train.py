@@ -44,8 +44,8 @@ HELDOUT_PROTOCOL = ("top-k restricted to each held-out case's measured reference
 class Recipe:
     """The shipped model's architecture and training settings, in one place for `make model` and `edgetune train`.
 
-    dim 192 / ffn 512 (head dim 64): a token costs ~1.1 M multiply-adds against ~1.9 M at dim 256 / ffn 768, which
-    cut proposal latency ~35% at the same held-out accuracy (four seeds of each, measured side by side)."""
+    dim 192 / ffn 512 (head dim 64): a token costs ~1.0 M multiply-adds against ~1.9 M at dim 256 / ffn 768, which
+    cut proposal latency ~27% at the same held-out accuracy (several seeds of each, measured side by side)."""
 
     dim: int = 192
     layers: int = 2
