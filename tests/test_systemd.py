@@ -257,8 +257,7 @@ def test_stack_runs_under_the_units_confinement(confined) -> None:
     # a workload big enough for 2 threads (9.6 Mflops: the space refuses threads=2 below 2e5)
     r = subprocess.run([*confined, sys.executable, "-m", "edgetune.main", "bench", "gemm", "--workload",
                         "mobilenetv2.b6.project", "--ort", "--json", "--config", '{"threads": 2}'], cwd=REPO, env=env,
-                       capture_output=True,
-                       text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(r.stdout)
     print(f"confined bench: ok={doc['ok']} {doc['ms']:.4f} ms, onnxruntime {doc['ort_ms']:.4f} ms")
