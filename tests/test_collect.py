@@ -63,3 +63,4 @@ def test_collector_survives_kill_9_and_resumes_without_duplicates(tmp_path):
     assert f"{len(rows)} measurements ({len(rows)} ok" in card
     assert "5 cases (kernel x ISA x shape): 4 train, 1 held-out." in card
     assert "refine_heldout" not in card and "3 evals for a held-out case" in card
+    assert "min in 2 runs (" in card  # the killed run and its resume: wall time summed per run, not first-to-last

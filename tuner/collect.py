@@ -325,7 +325,6 @@ def data_card(path: Path) -> str:
     ms = [r for r in rows if r.get("kind") == "m"]
     ok = [r for r in ms if r["ok"]]
     loads = sorted(r["load1"] for r in ms if r.get("load1") is not None)
-    ts = [r["ts"] for r in ms]
     by: dict[tuple, dict] = {}
     for r in ms:
         d = by.setdefault((r["kernel"], r["isa"]), {"rows": 0, "ok": 0, "shapes": set(), "held": set(), "cfgs": set(),
@@ -383,8 +382,7 @@ def data_card(path: Path) -> str:
         f"1-minute load average over the {len(ms)} measurements: median {q(0.5):.2f}, p10 {q(0.1):.2f}, "
         f"p90 {q(0.9):.2f}, max {loads[-1] if loads else float('nan'):.2f} on {h.get('cores')} cores; `cv` and "
         "`load1` on each line say how noisy each timing was.",
-        f"Wall time: {(max(ts) - min(ts)) / 60:.0f} min ({time.strftime('%Y-%m-%d %H:%M', time.gmtime(min(ts)))} "
-        f"to {time.strftime('%H:%M UTC', time.gmtime(max(ts)))}).", "",
+        f"Wall time: {_wall_time(rows)}.", "",
         "## Counts", "",
         f"{len(ms)} measurements ({len(ok)} ok, {len(ms) - len(ok)} failed: "
         + ", ".join(f"{k} {v}" for k, v in sorted(fails.items(), key=lambda kv: -kv[1])) + ").", "",
@@ -398,6 +396,24 @@ def data_card(path: Path) -> str:
     lines += ["", f"{len(cases)} cases (kernel x ISA x shape): {len(cases) - len(held)} train, {len(held)} held-out.",
               f"Median CV of ok measurements: {st.median(r['cv'] for r in ok if r['cv'] is not None):.3f}.", ""]
     return "\n".join(lines)
+
+
+def _wall_time(rows: list[dict]) -> str:
+    """Collection time summed over the collector's invocations (a resumed or extended journal spans days of idle
+    time between runs): each run's first to last measurement, with its UTC span."""
+    runs: list[list[float]] = []
+    for r in rows:
+        if r.get("kind") == "run" or not runs:
+            runs.append([])
+        if r.get("kind") == "m":
+            runs[-1].append(r["ts"])
+    spans = [(min(t), max(t)) for t in runs if t]
+    if not spans:
+        return "no measurements"
+    fmt = lambda t: time.strftime("%Y-%m-%d %H:%M", time.gmtime(t))  # noqa: E731
+    total = sum(b - a for a, b in spans) / 60
+    return f"{total:.0f} min in {len(spans)} run{'s' if len(spans) > 1 else ''} (" + "; ".join(
+        f"{fmt(a)} to {time.strftime('%H:%M', time.gmtime(b))}" for a, b in spans) + " UTC)"
 
 
 def dataset_hash(path: Path) -> str:
