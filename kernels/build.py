@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,7 +87,8 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
     out = out_dir / f"{spec.name}-{key}.so"
     if out.exists():
         return Build(out, key, 0.0, True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
+    # unique per process and thread: build_many's threads may get the same config twice in one batch
+    tmp = out.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp.so")
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kernels.build import build
+from kernels.build import build, build_many
 from kernels.registry import all_specs
 from kernels.spec import KernelSpec
 
@@ -19,6 +19,18 @@ def _cases():
     for spec in SPECS:
         for w in spec.workloads:
             yield pytest.param(spec, w.name, id=f"{spec.name}/{w.name}")
+
+
+def test_one_batch_may_hold_a_config_twice(hw, tmp_path, monkeypatch):
+    """Both copies build in parallel on a cold cache and get the same library (each thread has its own temp file;
+    a shared one made the second rename fail)."""
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cold"))
+    spec = all_specs()["gemm"]
+    cfg = spec.space(spec.workloads[0].shape, hw).valid_default()
+    builds = build_many(spec, [cfg] * 8, hw, jobs=8)  # 8 threads at once: with the old shared name, 4 runs of 4 failed
+    assert not [b for b in builds if isinstance(b, Exception)], builds
+    assert len({b.path for b in builds}) == 1 and builds[0].path.exists()
+    assert not list(builds[0].path.parent.glob("*.tmp.so"))
 
 
 def test_all_six_kernels_bundled():
