@@ -13,7 +13,8 @@ from tuner.collect import data_card, read_rows
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--kernel", "gru", "--isa", "x86-64-v2", "--configs", "3", "--shapes", "4", "--heldout", "1",
-        "--extra-shapes", "1", "--refine", "2", "--refine-heldout", "3", "--min-time", "0.002", "--max-reps", "3"]
+        "--extra-shapes", "1", "--refine", "2", "--refine-heldout", "3", "--confirm-top", "2", "--confirm-rounds", "2",
+        "--min-time", "0.002", "--max-reps", "3"]
 
 
 def _collect(out: Path, *extra: str) -> subprocess.Popen:
@@ -25,42 +26,57 @@ def _measurements(path: Path) -> list[dict]:
     return [r for r in read_rows(path) if r.get("kind") == "m"]
 
 
+def _run_until(out: Path, enough) -> list[dict]:
+    """Start the collector, SIGKILL it once the journal satisfies `enough` (awaited, not slept), return the rows."""
+    p = _collect(out)
+    deadline = time.monotonic() + 240
+    while not out.exists() or not enough(_measurements(out)):
+        assert p.poll() is None, p.stdout.read()
+        assert time.monotonic() < deadline, "the collector did not get there in 240 s"
+        time.sleep(0.02)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    return _measurements(out)
+
+
 def test_collector_survives_kill_9_and_resumes_without_duplicates(tmp_path):
     out = tmp_path / "runs.jsonl"
     dry = _collect(out, "--dry-run")
     planned = int(dry.communicate(timeout=120)[0].strip().splitlines()[-1].split(":")[1])
     assert planned > 0 and not out.exists()
 
-    p = _collect(out)
-    deadline = time.monotonic() + 120
-    while not out.exists() or len(_measurements(out)) < 3:  # await the event: 3 journaled measurements
-        assert p.poll() is None, p.stdout.read()
-        assert time.monotonic() < deadline, "the collector journaled nothing in 120 s"
-        time.sleep(0.02)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    before = _measurements(out)
+    before = _run_until(out, lambda rows: len(rows) >= 3)
     assert 3 <= len(before) < planned
+    # killed again in the confirmation phase, after its first measurement
+    mid = _run_until(out, lambda rows: any(r["phase"] == "confirm" for r in rows))
+    assert mid[:len(before)] == before
 
     again = _collect(out)
     log = again.communicate(timeout=300)[0]
     assert again.returncode == 0, log
     rows = _measurements(out)
-    keys = [(r["kernel"], r["isa"], r["shape_key"], r["config_key"]) for r in rows]
+    assert rows[:len(mid)] == mid  # nothing finished before a kill was lost or rewritten
+    first = [r for r in rows if r["phase"] != "confirm"]
+    keys = [(r["kernel"], r["isa"], r["shape_key"], r["config_key"]) for r in first]
     assert len(keys) == len(set(keys)), "a measurement was repeated after the resume"
-    assert rows[:len(before)] == before  # nothing finished before the kill was lost or rewritten
-    assert sum(r["phase"] != "refine" for r in rows) == planned
+    assert sum(r["phase"] != "refine" for r in first) == planned
     refine: dict[tuple, int] = {}
     for r in rows:
         if r["phase"] == "refine":
             refine[(r["shape_key"], r["split"])] = refine.get((r["shape_key"], r["split"]), 0) + 1
     assert sorted(refine.values()) == [2, 2, 2, 2, 3]  # 4 training cases x 2 evals, 1 held-out case x 3
+    # each training case's 2 fastest configs, measured 2 more times each, across both kills
+    for sk in {r["shape_key"] for r in first if r["split"] == "train"}:
+        case = sorted((r for r in first if r["shape_key"] == sk and r["ok"]), key=lambda r: r["ms"])
+        confirmed = [r["config_key"] for r in rows if r["shape_key"] == sk and r["phase"] == "confirm"]
+        assert sorted(confirmed) == sorted([case[0]["config_key"], case[1]["config_key"]] * 2), sk
+    assert not any(r["phase"] == "confirm" and r["split"] != "train" for r in rows)
     assert all(r["ok"] and r["ms"] > 0 and r["wall_ms"] and r["load1"] is not None for r in rows)
     settings = [r for r in read_rows(out) if r.get("kind") == "run"]
-    assert len(settings) == 2 and settings[-1]["refine_heldout"] == 3
+    assert len(settings) == 3 and settings[-1]["refine_heldout"] == 3 and settings[-1]["confirm_rounds"] == 2
 
     card = data_card(out)
     assert f"{len(rows)} measurements ({len(rows)} ok" in card
     assert "5 cases (kernel x ISA x shape): 4 train, 1 held-out." in card
     assert "refine_heldout" not in card and "3 evals for a held-out case" in card
-    assert "min in 2 runs (" in card  # the killed run and its resume: wall time summed per run, not first-to-last
+    assert "min in 3 runs (" in card  # the killed runs and the resume: wall time summed per run, not first-to-last

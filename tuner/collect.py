@@ -9,7 +9,9 @@ For every bundled kernel and every ISA cap (x86-64-v2/v3/v4 by default) it
 3. measures every config on every shape it is valid for, in one recycled worker per (kernel, ISA);
 4. for every case, refines the best sampled config with a short annealing run: `--refine` evals for a
    training case, so its top configs (the model's training targets) are near-optimal rather than the best of a
-   random sample, and `--refine-heldout` evals for a held-out case, so it has a strong best-known reference.
+   random sample, and `--refine-heldout` evals for a held-out case, so it has a strong best-known reference;
+5. measures each training case's `--confirm-top` fastest configs `--confirm-rounds` more times, side by side in a
+   shuffled order per round, so the ranking the model learns is not the noise of single measurements.
 
 Every measurement is one JSON line appended to the output and fsynced: a kill loses at most the
 measurement in flight, and rerunning the same command resumes (finished measurements are skipped).
@@ -212,13 +214,14 @@ def _measure_row(spec: KernelSpec, isa: str, name: str, shape: dict, split: str,
 
 def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_shapes: int, n_heldout: int,
             refine: int, refine_heldout: int, min_time_s: float, max_reps: int, seed: int,
-            dry_run: bool = False, n_extra: int = 0) -> None:
+            dry_run: bool = False, n_extra: int = 0, confirm_top: int = 0, confirm_rounds: int = 0) -> None:
     from hwprobe import probe
 
     j = Journal(out)
     if not dry_run:  # the settings of every invocation, for the data card
         j.append({"kind": "run", "format": FORMAT, "configs": n_configs, "shapes": n_shapes, "extra_shapes": n_extra,
                   "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout,
+                  "confirm_top": confirm_top, "confirm_rounds": confirm_rounds,
                   "min_time_s": min_time_s, "max_reps": max_reps, "seed": seed, "ts": round(time.time(), 3)})
     specs = [s for n, s in all_specs().items() if not kernels or n in kernels]
     bw = None
@@ -268,6 +271,8 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
         return
     if refine > 0 or refine_heldout > 0:
         refine_cases(j, specs, isas, {"train": refine, "heldout": refine_heldout}, min_time_s, max_reps, seed)
+    if confirm_top > 0 and confirm_rounds > 0:
+        confirm_leaders(j, specs, isas, confirm_top, confirm_rounds, min_time_s, max_reps, seed)
     print(f"done in {time.time() - t_start:.0f}s; {sum(1 for r in j.rows if r.get('kind') == 'm')} measurements")
 
 
@@ -316,6 +321,46 @@ def refine_cases(j: Journal, specs: list[KernelSpec], isas: list[str], evals: di
                           f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
 
 
+def confirm_leaders(j: Journal, specs: list[KernelSpec], isas: list[str], top: int, rounds: int, min_time_s: float,
+                    max_reps: int, seed: int) -> None:
+    """Measure each training case's `top` fastest configs `rounds` more times, in a seeded shuffled order per round
+    (phase "confirm"). One measurement on a shared host disagrees with a re-measurement of the same binary by more
+    than 5% about a third of the time (by 20% one time in ten), so a case's ranking of its leaders, which is the
+    model's training target, would otherwise be mostly noise. Held-out cases keep their references as collected."""
+    from hwprobe import probe
+
+    for isa in isas:
+        hw = probe(isa_cap=isa, measure_bandwidth=False)
+        for spec in specs:
+            cases: dict[str, list[dict]] = {}
+            for r in j.rows:
+                if r.get("kind") == "m" and r["kernel"] == spec.name and r["isa"] == isa and r["split"] == "train":
+                    cases.setdefault(r["shape_key"], []).append(r)
+            with Runner(recycle_after=10**9) as runner:
+                for sk, rows in cases.items():
+                    done = sum(1 for r in rows if r["phase"] == "confirm")
+                    first = {}  # the leaders as ranked before confirmation: a resumed run picks the same ones
+                    for r in rows:
+                        if r["ok"] and r["phase"] != "confirm":
+                            first.setdefault(r["config_key"], r)
+                    leaders = [r["config"] for r in sorted(first.values(), key=lambda r: r["ms"])[:top]]
+                    rng = random.Random(f"{seed}:{spec.name}:{isa}:{sk}")
+                    plan = [c for _ in range(rounds) for c in rng.sample(leaders, len(leaders))]
+                    if done >= len(plan):
+                        continue
+                    shape, name = rows[0]["shape"], rows[0]["workload"]
+                    builds = dict(zip((config_key(c) for c in leaders), build_many(spec, leaders, hw)))
+                    t = time.time()
+                    for c in plan[done:]:
+                        b = builds[config_key(c)]
+                        m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError) else
+                             runner.measure(spec, shape, b.path, min_time_s=min_time_s, max_reps=max_reps,
+                                            timeout_s=20))
+                        j.append(_measure_row(spec, isa, name, shape, "train", c, m, "confirm", None))
+                    print(f"[{time.strftime('%H:%M:%S')}] confirm {spec.name} {isa} {name}: {len(plan) - done} "
+                          f"measurements in {time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
+
+
 def data_card(path: Path) -> str:
     """The data card (markdown) of a collector journal: how, where, under what load, how much."""
     import statistics as st
@@ -328,12 +373,13 @@ def data_card(path: Path) -> str:
     by: dict[tuple, dict] = {}
     for r in ms:
         d = by.setdefault((r["kernel"], r["isa"]), {"rows": 0, "ok": 0, "shapes": set(), "held": set(), "cfgs": set(),
-                                                   "refine": 0})
+                                                   "refine": 0, "confirm": 0})
         d["rows"] += 1
         d["ok"] += r["ok"]
         d["shapes"].add(r["shape_key"])
         d["cfgs"].add(r["config_key"])
         d["refine"] += r["phase"] == "refine"
+        d["confirm"] += r["phase"] == "confirm"
         if r["split"] == "heldout":
             d["held"].add(r["shape_key"])
     fails: dict[str, int] = {}
@@ -367,7 +413,11 @@ def data_card(path: Path) -> str:
         "from its best sampled config (`phase=refine`, one-knob moves, 2 configs compiled per step): "
         f"{run.get('refine', '?')} evals for a training case, so its fastest configs, the model's training "
         "targets, come from a local search and not only from a random sample; "
-        f"{run.get('refine_heldout', '?')} evals for a held-out case. Every line keeps all rep times, CV, reps "
+        f"{run.get('refine_heldout', '?')} evals for a held-out case. Last, each training case's "
+        f"{run.get('confirm_top', 0)} fastest configs were measured {run.get('confirm_rounds', 0)} more times, "
+        "in a shuffled order per round (`phase=confirm`); training ranks a case's leaders by these side-by-side "
+        "rounds alone, since single measurements hours apart on this shared host disagree by more than 5% about a "
+        "third of the time. Every line keeps all rep times, CV, reps "
         "used, estimator, thread-CPU ms, context switches and the load average at that moment.", "",
         f"Split by shape: {n_held} shapes per kernel (one bundled workload + the rest synthetic, seeded) are held "
         "out and never trained on (`split=heldout`). A held-out case's best-known reference is the best of its "
@@ -384,14 +434,14 @@ def data_card(path: Path) -> str:
         "`load1` on each line say how noisy each timing was.",
         f"Wall time: {_wall_time(rows)}.", "",
         "## Counts", "",
-        f"{len(ms)} measurements ({len(ok)} ok, {len(ms) - len(ok)} failed: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(fails.items(), key=lambda kv: -kv[1])) + ").", "",
-        "| kernel | ISA | shapes | held-out | configs | rows | ok | refine |",
-        "|---|---|---|---|---|---|---|---|",
+        f"{len(ms)} measurements ({len(ok)} ok, {len(ms) - len(ok)} failed"
+        + "".join(f"; {k} {v}" for k, v in sorted(fails.items(), key=lambda kv: -kv[1])) + ").", "",
+        "| kernel | ISA | shapes | held-out | configs | rows | ok | refine | confirm |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (k, isa), d in sorted(by.items()):
         lines.append(f"| {k} | {isa} | {len(d['shapes'])} | {len(d['held'])} | {len(d['cfgs'])} | {d['rows']} | "
-                     f"{d['ok']} | {d['refine']} |")
+                     f"{d['ok']} | {d['refine']} | {d['confirm']} |")
     cases = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms}
     lines += ["", f"{len(cases)} cases (kernel x ISA x shape): {len(cases) - len(held)} train, {len(held)} held-out.",
               f"Median CV of ok measurements: {st.median(r['cv'] for r in ok if r['cv'] is not None):.3f}.", ""]
@@ -434,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refine", type=int, default=10, help="annealing evals per training case (training targets)")
     ap.add_argument("--refine-heldout", type=int, default=30,
                     help="annealing evals per held-out case (its best-known reference)")
+    ap.add_argument("--confirm-top", type=int, default=12,
+                    help="leaders measured again per training case (at least the training recipe's --top, 10)")
+    ap.add_argument("--confirm-rounds", type=int, default=4, help="extra measurements of each leader")
     ap.add_argument("--min-time", type=float, default=0.02, help="timing budget per measurement, seconds")
     ap.add_argument("--max-reps", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
@@ -444,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         print(data_card(Path(a.card)))
         return 0
     collect(Path(a.out), a.kernel or [], a.isa or list(ISAS), a.configs, a.shapes, a.heldout, a.refine,
-            a.refine_heldout, a.min_time, a.max_reps, a.seed, a.dry_run, a.extra_shapes)
+            a.refine_heldout, a.min_time, a.max_reps, a.seed, a.dry_run, a.extra_shapes,
+            a.confirm_top, a.confirm_rounds)
     return 0
 
 

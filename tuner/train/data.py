@@ -32,6 +32,7 @@ class Case:
     split: str  # train | heldout
     hw: dict
     ms: dict[str, list[float]] = field(default_factory=dict)  # config_key -> measured ms (ok only)
+    confirm_ms: dict[str, list[float]] = field(default_factory=dict)  # the leaders' side-by-side re-measurements
     configs: dict[str, dict] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
     phases: dict[str, str] = field(default_factory=dict)
@@ -45,8 +46,14 @@ class Case:
         return {k: statistics.median(v) for k, v in self.ms.items() if v}
 
     def ranked(self) -> list[tuple[dict, float]]:
+        """Configs, fastest first. Leaders measured again side by side (`phase=confirm`) come first, ranked by
+        those rounds alone: they are comparable with each other, while the first measurements span hours of host
+        drift (the host ran 1.7x slower at confirmation than at collection), so mixing the two would rank by
+        when a config was measured."""
         t = self.table()
-        return [(self.configs[k], ms) for k, ms in sorted(t.items(), key=lambda kv: kv[1])]
+        confirmed = sorted(((k, statistics.median(v)) for k, v in self.confirm_ms.items() if v), key=lambda kv: kv[1])
+        rest = sorted(((k, ms) for k, ms in t.items() if k not in self.confirm_ms), key=lambda kv: kv[1])
+        return [(self.configs[k], ms) for k, ms in confirmed + rest]
 
     def best_ms(self) -> float:
         return min(self.table().values())
@@ -105,7 +112,7 @@ def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: s
     c.configs.setdefault(k, dict(cfg))
     c.phases.setdefault(k, phase)
     if ok and ms and ms > 0 and math.isfinite(ms):
-        c.ms.setdefault(k, []).append(float(ms))
+        (c.confirm_ms if phase == "confirm" else c.ms).setdefault(k, []).append(float(ms))
     else:
         c.failed.add(k)
 
