@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+from kernels.space import config_key
 from tuner.collect import data_card, read_rows
+from tuner.train.data import add_measurement
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--kernel", "gru", "--isa", "x86-64-v2", "--configs", "3", "--shapes", "4", "--heldout", "1",
@@ -80,3 +82,18 @@ def test_collector_survives_kill_9_and_resumes_without_duplicates(tmp_path):
     assert "5 cases (kernel x ISA x shape): 4 train, 1 held-out." in card
     assert "refine_heldout" not in card and "3 evals for a held-out case" in card
     assert "min in 3 runs (" in card  # the killed runs and the resume: wall time summed per run, not first-to-last
+
+
+def test_training_ranks_confirmed_leaders_by_their_rounds_alone():
+    """The confirmation rounds ran on a slower host: pooled with the first pass, an unconfirmed config's single
+    fast first measurement would outrank every confirmed leader."""
+    cases: dict = {}
+    first = {"a": 1.0, "b": 1.2, "c": 1.1}  # c was not among the leaders confirmed
+    for name, ms in first.items():
+        add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, {"tile": name}, True, ms, "sample")
+    for name, rounds in {"a": [2.1, 2.0], "b": [1.9, 1.8]}.items():
+        for ms in rounds:
+            add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, {"tile": name}, True, ms, "confirm")
+    (case,) = cases.values()
+    assert [c["tile"] for c, _ in case.ranked()] == ["b", "a", "c"]
+    assert case.table() == {config_key({"tile": k}): ms for k, ms in first.items()}  # the replay's table: first pass

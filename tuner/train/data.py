@@ -48,8 +48,8 @@ class Case:
     def ranked(self) -> list[tuple[dict, float]]:
         """Configs, fastest first. Leaders measured again side by side (`phase=confirm`) come first, ranked by
         those rounds alone: they are comparable with each other, while the first measurements span hours of host
-        drift (the host ran 1.7x slower at confirmation than at collection), so mixing the two would rank by
-        when a config was measured."""
+        drift (the same configs ran a median 1.64x slower at confirmation than at collection, unevenly), so mixing
+        the two would rank configs by when they were measured."""
         t = self.table()
         confirmed = sorted(((k, statistics.median(v)) for k, v in self.confirm_ms.items() if v), key=lambda kv: kv[1])
         rest = sorted(((k, ms) for k, ms in t.items() if k not in self.confirm_ms), key=lambda kv: kv[1])
