@@ -333,7 +333,8 @@ def ratios_to_first(runner, spec, shape: dict, hw, cfgs: list[Config], rounds: i
     disagrees with a re-measurement of the same binary by more than 5% a third of the time, so only same-round
     ratios (no order bias, outliers voted down) can judge a 5% margin. The best-known config measured against itself
     came within 5% on 58 of the 72 held-out cases with the former protocol (3 rounds in a fixed order, ratio of
-    median ms; load 0.7-1.7), and on 69 of 72 with this one (load 0.1-0.4; the former gave 60 in that run)."""
+    median ms; load 0.7-1.7), and on 69 of 72 with this one (load 0.1-0.4; a ratio of median ms over 3 of those
+    same rounds gave 60)."""
     from kernels.build import CompileError, build_many
 
     builds = build_many(spec, cfgs, hw, shape=shape)

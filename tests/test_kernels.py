@@ -22,8 +22,8 @@ def _cases():
 
 
 def test_one_batch_may_hold_a_config_twice(hw, tmp_path, monkeypatch):
-    """Both copies build in parallel on a cold cache and get the same library (each thread has its own temp file;
-    a shared one made the second rename fail)."""
+    """All copies build in parallel on a cold cache and get the same library (each thread has its own temp file;
+    with a shared one, every rename after the first failed)."""
     monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cold"))
     spec = all_specs()["gemm"]
     cfg = spec.space(spec.workloads[0].shape, hw).valid_default()

@@ -170,6 +170,14 @@ class Journal:
     def _key(row: dict) -> tuple:
         return (row["kernel"], row["isa"], row["shape_key"], row["config_key"])
 
+    def cases(self, kernel: str, isa: str) -> dict[str, list[dict]]:
+        """The measurement rows of one kernel and ISA, by shape (a case), in journal order."""
+        out: dict[str, list[dict]] = {}
+        for r in self.rows:
+            if r.get("kind") == "m" and r["kernel"] == kernel and r["isa"] == isa:
+                out.setdefault(r["shape_key"], []).append(r)
+        return out
+
     def append(self, row: dict) -> None:
         if self.f is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,12 +294,8 @@ def refine_cases(j: Journal, specs: list[KernelSpec], isas: list[str], evals: di
     for isa in isas:
         hw = probe(isa_cap=isa, measure_bandwidth=False)
         for spec in specs:
-            cases: dict[str, list[dict]] = {}
-            for r in j.rows:
-                if r.get("kind") == "m" and r["kernel"] == spec.name and r["isa"] == isa:
-                    cases.setdefault(r["shape_key"], []).append(r)
             with Runner(recycle_after=10**9) as runner:
-                for sk, rows in cases.items():
+                for sk, rows in j.cases(spec.name, isa).items():
                     done_refine = sum(1 for r in rows if r["phase"] == "refine")
                     shape, name, split = rows[0]["shape"], rows[0]["workload"], rows[0]["split"]
                     target = evals.get(split, 0)
@@ -332,12 +336,9 @@ def confirm_leaders(j: Journal, specs: list[KernelSpec], isas: list[str], top: i
     for isa in isas:
         hw = probe(isa_cap=isa, measure_bandwidth=False)
         for spec in specs:
-            cases: dict[str, list[dict]] = {}
-            for r in j.rows:
-                if r.get("kind") == "m" and r["kernel"] == spec.name and r["isa"] == isa and r["split"] == "train":
-                    cases.setdefault(r["shape_key"], []).append(r)
+            train = {sk: rows for sk, rows in j.cases(spec.name, isa).items() if rows[0]["split"] == "train"}
             with Runner(recycle_after=10**9) as runner:
-                for sk, rows in cases.items():
+                for sk, rows in train.items():
                     done = sum(1 for r in rows if r["phase"] == "confirm")
                     first = {}  # the leaders as ranked before confirmation: a resumed run picks the same ones
                     for r in rows:
