@@ -53,6 +53,18 @@ BUDGETS = (5, 10, 20)
 MEASURE_S = 0.07  # per-eval measurement time in a session (SEARCH_MIN_TIME_S 0.05 + worker round trip)
 
 
+def recorded_compile_s(path: Path) -> dict[tuple[str, str], float]:
+    """(kernel, ISA) -> seconds of batch wall per config of a cold compile at collection (build_many on the
+    collector's 2 cores, as a session's batches), the largest such batch figure the data records; resumed runs that
+    found their builds cached record ~0 and are ignored by taking the maximum."""
+    out: dict[tuple[str, str], float] = {}
+    for r in D._rows(path):
+        if r.get("kind") == "m" and r.get("compile_s") is not None:
+            k = (r["kernel"], r["isa"])
+            out[k] = max(out.get(k, 0.0), float(r["compile_s"]))
+    return out
+
+
 # ---- the replay universe ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -281,7 +293,8 @@ def summarise(name: str, rows: list[dict], budget: int) -> dict:
     return out
 
 
-def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, model: Path | None) -> dict:
+def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, model: Path | None,
+           compile_s: dict[tuple[str, str], float]) -> dict:
     proposer = None
     if "llm" in strategies:
         from tuner.llm import load_proposer
@@ -291,7 +304,7 @@ def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, 
     for case in cases:
         space, table = case_space(case)
         best = min(table.values())
-        compile_s = 0.35  # median recorded per-config compile time is read below when present
+        per_compile = compile_s[(case.kernel, case.isa)]
         for name in strategies:
             for seed in range(1 if name in ("llm", "opentuner") else seeds):  # llm is deterministic; opentuner slow
                 t0 = time.perf_counter()
@@ -318,7 +331,7 @@ def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, 
                 per[name].append({
                     "kernel": case.kernel, "isa": case.isa, "workload": case.workload, "seed": seed, "best": best,
                     "evals_to": e, "best_at": {b: best_at(traj, b) for b in BUDGETS},
-                    "wall_s": n_to * (compile_s + MEASURE_S) + model_s, "host_s": host_s,
+                    "wall_s": n_to * (per_compile + MEASURE_S) + model_s, "host_s": host_s,
                     "traj": traj})
     return per
 
@@ -394,8 +407,11 @@ def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
                 host = ref_ms / case.best_ms() if ref_ms else float("nan")
                 rows.append({"kernel": case.kernel, "workload": case.workload, "strategy": name,
                              "wall_s": wall, "evals": res.evals, "ms": res.ms, "best_known_ms": case.best_ms(),
-                             "ratio": ratio, "host_factor": host, "speedup_vs_default": res.speedup, "load1": load})
-                print(f"  real {name:8s} {case.kernel}/{case.workload}: {wall:.2f}s, {res.evals} evals, "
+                             "ratio": ratio, "host_factor": host, "speedup_vs_default": res.speedup, "load1": load,
+                             **res.timing})
+                print(f"  real {name:8s} {case.kernel}/{case.workload}: {wall:.2f}s (compile "
+                      f"{res.timing['compile_s']:.2f}s, measure {res.timing['measure_s']:.2f}s, strategy "
+                      f"{res.timing['strategy_s']:.2f}s), {res.evals} evals, "
                       f"{res.ms:.4f} ms, {ratio:.2f}x best-known measured alongside (host {host:.2f}x slower "
                       f"than at collection), load {load:.2f}", flush=True)
     return rows
@@ -539,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
               f"model loaded (after a proposal) {lr['rss_mb']:.0f} MB; "
               f"load {lr['load1']:.2f}", flush=True)
     t0 = time.time()
-    per = replay(held, names, a.budget, a.seeds, Path(a.model) if a.model else None)
+    per = replay(held, names, a.budget, a.seeds, Path(a.model) if a.model else None, recorded_compile_s(Path(a.data)))
     summ = [summarise(n, per[n], a.budget) for n in names]
     print(f"\nreplay over the recorded reference tables ({len(held)} held-out cases, budget {a.budget}, "
           f"{a.seeds} seeds for stochastic strategies; {time.time() - t0:.0f}s, load {os.getloadavg()[0]:.2f}):")
@@ -556,7 +572,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{max(r['wall_s'] for r in rs):.2f}s  median evals {statistics.median(r['evals'] for r in rs):.0f}"
                   f"  within 5% of best-known (measured alongside) {sum(1 for r in rs if r['ratio'] <= 1.05)}/"
                   f"{len(rs)}  median ratio {statistics.median(r['ratio'] for r in rs):.3f}  host factor "
-                  f"{statistics.median(r['host_factor'] for r in rs):.2f}")
+                  f"{statistics.median(r['host_factor'] for r in rs):.2f}  median compile "
+                  f"{statistics.median(r['compile_s'] for r in rs):.2f}s, measure "
+                  f"{statistics.median(r['measure_s'] for r in rs):.2f}s, strategy "
+                  f"{statistics.median(r['strategy_s'] for r in rs):.2f}s")
     topk = []
     if a.measure_topk:
         print(f"\nthe model's unrestricted top-{a.measure_topk}, measured now against each case's best-known "

@@ -160,6 +160,10 @@ def test_budget_and_cache(hw, runner):
     s = Session(db, runner, hw)
     r = s.tune(GEMM, SMALL, strategy="random", budget=Budget(evals=5))
     assert r.evals == 5 and not r.cached and r.default_ms and r.speedup
+    # where the time went: each part measured once (no phase counted twice), together within the run's wall
+    assert set(r.timing) == {"compile_s", "measure_s", "strategy_s"}
+    assert r.timing["compile_s"] > 0 and r.timing["measure_s"] > 0 and r.timing["strategy_s"] >= 0
+    assert sum(r.timing.values()) <= r.tuning_s
     rows = db.measurements(r.session_id, "search")
     assert len(rows) == 5 and all(row["stats"]["load1"] >= 0 for row in rows)
     assert config_key(rows[0]["config"]) != "" and db.measurements(r.session_id, "final")

@@ -12,7 +12,7 @@ from typing import Any
 from edgetune.config import OBJECTIVES, config_files, load_or_raise
 from edgetune.errors import BadInput, EdgetuneError
 from hwprobe.power import meter_from_config
-from edgetune.output import emit, fmt, json_flag, progress, table
+from edgetune.output import console, emit, fmt, json_flag, progress, table
 from kernels.build import build
 from kernels.measure import TIE_THRESHOLD
 from kernels.registry import all_specs, get_spec
@@ -186,6 +186,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
                if energy else [])
             + [r["evals"], fmt(r["tuning_s"], 1) + (" (cached)" if r["cached"] else ""),
                r["strategy"] + (f" ({r['objective']})" if r["objective"] != "latency" else "")] for r in d["results"]])
+        fresh = [r for r in d["results"] if not r["cached"] and r.get("timing")]
+        if fresh:
+            t = {k: sum(r["timing"].get(k, 0.0) for r in fresh) for k in ("compile_s", "measure_s", "strategy_s")}
+            console.print(f"tuning time {sum(r['tuning_s'] for r in fresh):.1f}s: compile {t['compile_s']:.1f}s, measure "
+                  f"{t['measure_s']:.1f}s, strategy {t['strategy_s']:.2f}s (the rest: results DB and start-up)")
         for r in d["results"]:
             if r["objective_note"]:
                 from edgetune.output import err_console

@@ -65,6 +65,7 @@ class TuneResult:
     energy_j: float | None = None  # joules per call of the winner, when a meter measured it
     default_energy_j: float | None = None
     tuned_at: float = field(default_factory=time.time)
+    timing: dict = field(default_factory=dict)  # where this run's tuning_s went: compile_s, measure_s, strategy_s
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -94,6 +95,11 @@ def result_key(spec: KernelSpec, wl: Workload, hw: Any, strategy: Strategy, obje
 class Session:
     def __init__(self, db: ResultsDB, runner: Runner, hw: Any):
         self.db, self.runner, self.hw = db, runner, hw
+        self.timing: dict[str, float] = {}
+
+    def _timed(self, what: str, t0: float) -> None:
+        """Add the seconds since t0 to this run's `what` (compile_s, measure_s, strategy_s)."""
+        self.timing[what] = self.timing.get(what, 0.0) + time.perf_counter() - t0
 
     def tune(self, spec: KernelSpec, wl: Workload, *, strategy: str = "anneal", budget: Budget | None = None,
              seed: int = 0, force: bool = False, batch: int | None = None, origin: str = "cli",
@@ -122,6 +128,7 @@ class Session:
             log.info("resuming session %d for %s/%s", sess.id, spec.name, wl.name)
         journal = {m["seq"]: m for m in self.db.measurements(sess.id, "search")}
         t0 = time.monotonic() - (self._elapsed(journal))
+        self.timing = {"compile_s": 0.0, "measure_s": 0.0, "strategy_s": 0.0}
         evals: list[tuple[Config, Measurement]] = []
         batch = batch or max(1, self.hw.cores)
         best_ms, since_best = float("inf"), 0
@@ -132,7 +139,9 @@ class Session:
             if budget.patience is not None and since_best >= budget.patience:
                 break
             # a strategy may return more than asked (llm: its top-K as one batch); never beyond the budget
+            ta = time.perf_counter()
             asked = strat.ask(min(batch, budget.evals - len(evals)))[: budget.evals - len(evals)]
+            self._timed("strategy_s", ta)
             if not asked:
                 break
             # the first batch also builds the default, which the finals always re-measure: one compile round fewer
@@ -149,7 +158,9 @@ class Session:
                     for c, m in evals:
                         strat.tell(c, m)
             for cfg, m in measured:
+                ta = time.perf_counter()
                 strat.tell(cfg, m)
+                self._timed("strategy_s", ta)
                 evals.append((cfg, m))
                 if m.ok and m.value < best_ms * (1 - TIE_THRESHOLD):
                     best_ms, since_best = m.value, 0
@@ -187,12 +198,15 @@ class Session:
             extra = [c for c in prebuild or [] if config_key(c) not in {config_key(cfgs[i]) for i in todo}]
             builds = build_many(spec, [cfgs[i] for i in todo] + extra, self.hw, shape=wl.shape)[:len(todo)]
             compile_s = (time.perf_counter() - t) / len(todo)
+            self._timed("compile_s", t)
             for i, b in zip(todo, builds):
                 if isinstance(b, CompileError):
                     m = Measurement.failed(f"compile error: {b}")
                 else:
+                    tm = time.perf_counter()
                     m = objective.score(self.runner.measure(
                         spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s)))
+                    self._timed("measure_s", tm)
                 self.db.add_measurement(session_id, "search", seq0 + i, cfgs[i], config_key(cfgs[i]), m, compile_s)
                 out[i] = (cfgs[i], m)
         return [o for o in out if o is not None]
@@ -201,14 +215,18 @@ class Session:
                   rounds: int = FINAL_ROUNDS, objective: Objective | None = None) -> list[Measurement]:
         """Interleaved A B C A B C ... so drift and bursts of load hit every finalist alike; median per config."""
         objective = objective or Objective()
+        t = time.perf_counter()
         builds = build_many(spec, cfgs, self.hw, shape=wl.shape)
+        self._timed("compile_s", t)
         per: list[list[Measurement]] = [[] for _ in cfgs]
         seq = 0
         for _ in range(rounds):
             for i, (cfg, b) in enumerate(zip(cfgs, builds)):
+                t = time.perf_counter()
                 m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError)
                      else objective.score(self.runner.measure(
                          spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s))))
+                self._timed("measure_s", t)
                 self.db.add_measurement(session_id, phase, seq, cfg, config_key(cfg), m, None)
                 seq += 1
                 per[i].append(m)
@@ -259,6 +277,7 @@ class Session:
             strategy_version=strat.version, model_version=getattr(strat, "model_version", None),
             ort_ms=self._ort_ms(spec, wl), objective=objective.active, objective_note=objective.fallback_reason,
             energy_j=wm.energy_j, default_energy_j=dm.energy_j if dm else None,
+            timing={k: round(v, 3) for k, v in self.timing.items()},
         )
         self.db.finish_session(session_id, "done", res.to_dict())
         self._activate(spec, wl, res)
