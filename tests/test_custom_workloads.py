@@ -36,6 +36,17 @@ def test_tune_custom_shape_then_report_pin_verify():
     assert json.loads(_cli("report", "--json").stdout)[0]["config"]["vec"] == 4
 
 
+def test_tune_table_says_where_the_time_went():
+    """A fresh result's time is split into compile, measure and strategy; a cached one took no time, so no line."""
+    args = ("tune", "--kernel", "gemm", "--shape", "M=30,N=40,K=50", "--strategy", "random", "--budget", "3")
+    fresh = _cli(*args)
+    assert fresh.returncode == 0, fresh.stderr
+    line = next(ln for ln in fresh.stdout.splitlines() if ln.startswith("tuning time "))
+    assert all(f"{part} " in line for part in ("compile", "measure", "strategy")), line
+    cached = _cli(*args)
+    assert cached.returncode == 0 and "(cached)" in cached.stdout and "tuning time " not in cached.stdout
+
+
 @pytest.mark.parametrize("shape,needle", [
     ("M=100,N=200", "missing dimension(s) K; dimensions are: M, N, K"),
     ("M=100,N=200,K=300,Z=1", "unknown dimension(s) Z"),

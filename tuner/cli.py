@@ -189,8 +189,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         fresh = [r for r in d["results"] if not r["cached"] and r.get("timing")]
         if fresh:
             t = {k: sum(r["timing"].get(k, 0.0) for r in fresh) for k in ("compile_s", "measure_s", "strategy_s")}
-            console.print(f"tuning time {sum(r['tuning_s'] for r in fresh):.1f}s: compile {t['compile_s']:.1f}s, measure "
-                  f"{t['measure_s']:.1f}s, strategy {t['strategy_s']:.2f}s (the rest: results DB and start-up)")
+            console.print(f"tuning time {sum(r['tuning_s'] for r in fresh):.1f}s: compile {t['compile_s']:.1f}s, "
+                          f"measure {t['measure_s']:.1f}s, strategy {t['strategy_s']:.2f}s (the rest: results DB "
+                          "and start-up)")
         for r in d["results"]:
             if r["objective_note"]:
                 from edgetune.output import err_console

@@ -65,7 +65,8 @@ class TuneResult:
     energy_j: float | None = None  # joules per call of the winner, when a meter measured it
     default_energy_j: float | None = None
     tuned_at: float = field(default_factory=time.time)
-    timing: dict = field(default_factory=dict)  # where this run's tuning_s went: compile_s, measure_s, strategy_s
+    # where tuning_s went: compile_s, measure_s, strategy_s (after a resume, this process's part only)
+    timing: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
