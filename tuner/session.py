@@ -11,8 +11,9 @@ import json
 import logging
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -98,9 +99,14 @@ class Session:
         self.db, self.runner, self.hw = db, runner, hw
         self.timing: dict[str, float] = {}
 
-    def _timed(self, what: str, t0: float) -> None:
-        """Add the seconds since t0 to this run's `what` (compile_s, measure_s, strategy_s)."""
-        self.timing[what] = self.timing.get(what, 0.0) + time.perf_counter() - t0
+    @contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        """Add the block's seconds to this run's `what` (compile_s, measure_s, strategy_s)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timing[what] = self.timing.get(what, 0.0) + time.perf_counter() - t0
 
     def tune(self, spec: KernelSpec, wl: Workload, *, strategy: str = "anneal", budget: Budget | None = None,
              seed: int = 0, force: bool = False, batch: int | None = None, origin: str = "cli",
@@ -140,9 +146,8 @@ class Session:
             if budget.patience is not None and since_best >= budget.patience:
                 break
             # a strategy may return more than asked (llm: its top-K as one batch); never beyond the budget
-            ta = time.perf_counter()
-            asked = strat.ask(min(batch, budget.evals - len(evals)))[: budget.evals - len(evals)]
-            self._timed("strategy_s", ta)
+            with self._timed("strategy_s"):
+                asked = strat.ask(min(batch, budget.evals - len(evals)))[: budget.evals - len(evals)]
             if not asked:
                 break
             # the first batch also builds the default, which the finals always re-measure: one compile round fewer
@@ -159,9 +164,8 @@ class Session:
                     for c, m in evals:
                         strat.tell(c, m)
             for cfg, m in measured:
-                ta = time.perf_counter()
-                strat.tell(cfg, m)
-                self._timed("strategy_s", ta)
+                with self._timed("strategy_s"):
+                    strat.tell(cfg, m)
                 evals.append((cfg, m))
                 if m.ok and m.value < best_ms * (1 - TIE_THRESHOLD):
                     best_ms, since_best = m.value, 0
@@ -197,17 +201,16 @@ class Session:
         if todo:
             t = time.perf_counter()
             extra = [c for c in prebuild or [] if config_key(c) not in {config_key(cfgs[i]) for i in todo}]
-            builds = build_many(spec, [cfgs[i] for i in todo] + extra, self.hw, shape=wl.shape)[:len(todo)]
+            with self._timed("compile_s"):
+                builds = build_many(spec, [cfgs[i] for i in todo] + extra, self.hw, shape=wl.shape)[:len(todo)]
             compile_s = (time.perf_counter() - t) / len(todo)
-            self._timed("compile_s", t)
             for i, b in zip(todo, builds):
                 if isinstance(b, CompileError):
                     m = Measurement.failed(f"compile error: {b}")
                 else:
-                    tm = time.perf_counter()
-                    m = objective.score(self.runner.measure(
-                        spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s)))
-                    self._timed("measure_s", tm)
+                    with self._timed("measure_s"):
+                        m = objective.score(self.runner.measure(
+                            spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s)))
                 self.db.add_measurement(session_id, "search", seq0 + i, cfgs[i], config_key(cfgs[i]), m, compile_s)
                 out[i] = (cfgs[i], m)
         return [o for o in out if o is not None]
@@ -216,18 +219,16 @@ class Session:
                   rounds: int = FINAL_ROUNDS, objective: Objective | None = None) -> list[Measurement]:
         """Interleaved A B C A B C ... so drift and bursts of load hit every finalist alike; median per config."""
         objective = objective or Objective()
-        t = time.perf_counter()
-        builds = build_many(spec, cfgs, self.hw, shape=wl.shape)
-        self._timed("compile_s", t)
+        with self._timed("compile_s"):
+            builds = build_many(spec, cfgs, self.hw, shape=wl.shape)
         per: list[list[Measurement]] = [[] for _ in cfgs]
         seq = 0
         for _ in range(rounds):
             for i, (cfg, b) in enumerate(zip(cfgs, builds)):
-                t = time.perf_counter()
-                m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError)
-                     else objective.score(self.runner.measure(
-                         spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s))))
-                self._timed("measure_s", t)
+                with self._timed("measure_s"):
+                    m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError)
+                         else objective.score(self.runner.measure(
+                             spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s))))
                 self.db.add_measurement(session_id, phase, seq, cfg, config_key(cfg), m, None)
                 seq += 1
                 per[i].append(m)
