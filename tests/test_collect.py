@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from kernels.space import config_key
-from tuner.collect import data_card, read_rows
-from tuner.train.data import add_measurement
+from tuner.collect import data_card, leaders_id, read_rows, shape_key
+from tuner.train.data import add_measurement, load_collector
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--kernel", "gru", "--isa", "x86-64-v2", "--configs", "3", "--shapes", "4", "--heldout", "1",
@@ -82,6 +82,41 @@ def test_collector_survives_kill_9_and_resumes_without_duplicates(tmp_path):
     assert "5 cases (kernel x ISA x shape): 4 train, 1 held-out." in card
     assert "refine_heldout" not in card and "3 evals for a held-out case" in card
     assert "min in 3 runs (" in card  # the killed runs and the resume: wall time summed per run, not first-to-last
+
+
+def _confirm_top(args: list[str], n: int) -> list[str]:
+    return [str(n) if args[i - 1] == "--confirm-top" else a for i, a in enumerate(args)]
+
+
+def test_changed_leaders_are_confirmed_again_side_by_side(tmp_path):
+    """A later run with other leaders (here 3 per case instead of 2; a grown sample does the same) measures all of
+    them again in fresh rounds, not only the newcomers, and training ranks each case by that confirmation alone."""
+    out = tmp_path / "runs.jsonl"
+    for top in (2, 3, 3):  # the last run has nothing left to do
+        p = subprocess.run([sys.executable, "-m", "tuner.collect", "--out", str(out), *_confirm_top(ARGS, top)],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+    rows = _measurements(out)
+    cases = load_collector(out)
+    trained = 0
+    for sk in {r["shape_key"] for r in rows if r["split"] == "train"}:
+        first: dict[str, float] = {}
+        for r in rows:
+            if r["shape_key"] == sk and r["ok"] and r["phase"] != "confirm":
+                first.setdefault(r["config_key"], r["ms"])
+        leaders = [k for k, _ in sorted(first.items(), key=lambda kv: kv[1])]
+        old, new = leaders_id(leaders[:2]), leaders_id(leaders[:3])
+        confirm = [r for r in rows if r["shape_key"] == sk and r["phase"] == "confirm"]
+        assert sorted(r["config_key"] for r in confirm if r["leaders"] == old) == sorted(leaders[:2] * 2)
+        fresh = [r for r in confirm if r["leaders"] == new]
+        assert sorted(r["config_key"] for r in fresh) == sorted(leaders[:3] * 2), sk
+        assert confirm[-len(fresh):] == fresh  # the fresh rounds came after the first confirmation
+        (case,) = [c for c in cases.values() if c.split == "train" and shape_key(c.shape) == sk]
+        by_new = {k: sorted(r["ms"] for r in fresh if r["config_key"] == k) for k in leaders[:3]}
+        assert {k: sorted(v) for k, v in case.confirm_ms.items()} == by_new  # the earlier rounds are not pooled in
+        assert {config_key(c) for c, _ in case.ranked()[:3]} == set(leaders[:3])
+        trained += 1
+    assert trained == 4
 
 
 def test_training_ranks_confirmed_leaders_by_their_rounds_alone():

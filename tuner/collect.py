@@ -11,7 +11,9 @@ For every bundled kernel and every ISA cap (x86-64-v2/v3/v4 by default) it
    training case, so its top configs (the model's training targets) are near-optimal rather than the best of a
    random sample, and `--refine-heldout` evals for a held-out case, so it has a strong best-known reference;
 5. measures each training case's `--confirm-top` fastest configs `--confirm-rounds` more times, side by side in a
-   shuffled order per round, so the ranking the model learns is not the noise of single measurements.
+   shuffled order per round, so the ranking the model learns is not the noise of single measurements. When a later
+   run changes a case's leaders (a grown sample or refinement found faster configs), all of them are confirmed
+   again side by side, and training ranks the case by that latest confirmation.
 
 Every measurement is one JSON line appended to the output and fsynced: a kill loses at most the
 measurement in flight, and rerunning the same command resumes (finished measurements are skipped).
@@ -30,7 +32,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from kernels.build import CompileError, build_many
 from kernels.measure import Measurement
@@ -325,12 +327,29 @@ def refine_cases(j: Journal, specs: list[KernelSpec], isas: list[str], evals: di
                           f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
 
 
+def leaders_id(keys: Iterable[str]) -> str:
+    """The id of one confirmation: its set of leaders (config keys), order-free."""
+    return hashlib.sha256(",".join(sorted(set(keys))).encode()).hexdigest()[:12]
+
+
+def confirmed_rows(rows: list[dict], lid: str) -> int:
+    """How many of a case's confirmation rows belong to the confirmation of leaders `lid`. Rows carry their
+    leaders' id; rows from before ids (one confirmation per case) belong to the set of configs they measured."""
+    confirm = [r for r in rows if r["phase"] == "confirm"]
+    untagged = leaders_id(r["config_key"] for r in confirm if "leaders" not in r)
+    return sum(1 for r in confirm if r.get("leaders", untagged) == lid)
+
+
 def confirm_leaders(j: Journal, specs: list[KernelSpec], isas: list[str], top: int, rounds: int, min_time_s: float,
                     max_reps: int, seed: int) -> None:
     """Measure each training case's `top` fastest configs `rounds` more times, in a seeded shuffled order per round
     (phase "confirm"). One measurement on a shared host disagrees with a re-measurement of the same binary by more
     than 5% about a third of the time (by 20% one time in ten), so a case's ranking of its leaders, which is the
-    model's training target, would otherwise be mostly noise. Held-out cases keep their references as collected."""
+    model's training target, would otherwise be mostly noise. Held-out cases keep their references as collected.
+
+    Rounds measured hours apart are not comparable (the host's speed drifts), so when the leaders change, e.g. a
+    grown `--configs` sample put a new config among them, all of them are measured again in fresh rounds (rows
+    tagged with the leaders' id) rather than only the newcomers."""
     from hwprobe import probe
 
     for isa in isas:
@@ -339,12 +358,13 @@ def confirm_leaders(j: Journal, specs: list[KernelSpec], isas: list[str], top: i
             train = {sk: rows for sk, rows in j.cases(spec.name, isa).items() if rows[0]["split"] == "train"}
             with Runner(recycle_after=10**9) as runner:
                 for sk, rows in train.items():
-                    done = sum(1 for r in rows if r["phase"] == "confirm")
                     first = {}  # the leaders as ranked before confirmation: a resumed run picks the same ones
                     for r in rows:
                         if r["ok"] and r["phase"] != "confirm":
                             first.setdefault(r["config_key"], r)
                     leaders = [r["config"] for r in sorted(first.values(), key=lambda r: r["ms"])[:top]]
+                    lid = leaders_id(config_key(c) for c in leaders)
+                    done = confirmed_rows(rows, lid)
                     rng = random.Random(f"{seed}:{spec.name}:{isa}:{sk}")
                     plan = [c for _ in range(rounds) for c in rng.sample(leaders, len(leaders))]
                     if done >= len(plan):
@@ -357,7 +377,8 @@ def confirm_leaders(j: Journal, specs: list[KernelSpec], isas: list[str], top: i
                         m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError) else
                              runner.measure(spec, shape, b.path, min_time_s=min_time_s, max_reps=max_reps,
                                             timeout_s=20))
-                        j.append(_measure_row(spec, isa, name, shape, "train", c, m, "confirm", None))
+                        row = _measure_row(spec, isa, name, shape, "train", c, m, "confirm", None)
+                        j.append(row | {"leaders": lid})
                     print(f"[{time.strftime('%H:%M:%S')}] confirm {spec.name} {isa} {name}: {len(plan) - done} "
                           f"measurements in {time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
 
@@ -418,7 +439,8 @@ def data_card(path: Path) -> str:
         f"{run.get('confirm_top', 0)} fastest configs were measured {run.get('confirm_rounds', 0)} more times, "
         "in a shuffled order per round (`phase=confirm`); training ranks a case's leaders by these side-by-side "
         "rounds alone, since single measurements hours apart on this shared host disagree by more than 5% about a "
-        "third of the time. Every line keeps all rep times, CV, reps "
+        "third of the time (a case whose leaders a later run changed was confirmed again, all leaders side by side, "
+        "and training uses that latest confirmation). Every line keeps all rep times, CV, reps "
         "used, estimator, thread-CPU ms, context switches and the load average at that moment.", "",
         f"Split by shape: {n_held} shapes per kernel (one bundled workload + the rest synthetic, seeded) are held "
         "out and never trained on (`split=heldout`). A held-out case's best-known reference is the best of its "

@@ -33,6 +33,7 @@ class Case:
     hw: dict
     ms: dict[str, list[float]] = field(default_factory=dict)  # config_key -> measured ms (ok only)
     confirm_ms: dict[str, list[float]] = field(default_factory=dict)  # the leaders' side-by-side re-measurements
+    confirmation: str | None = None  # the leaders' id of those re-measurements (None: a journal from before ids)
     configs: dict[str, dict] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
     phases: dict[str, str] = field(default_factory=dict)
@@ -98,16 +99,22 @@ def load_collector(path: Path, cases: dict | None = None) -> dict[tuple, Case]:
         if r.get("kind") != "m":
             continue
         add_measurement(cases, r["kernel"], r["isa"], r["shape"], r["workload"], r["split"],
-                        hws.get(r["isa"]) or _local_hw(r["isa"]), r["config"], r["ok"], r.get("ms"), r.get("phase", ""))
+                        hws.get(r["isa"]) or _local_hw(r["isa"]), r["config"], r["ok"], r.get("ms"), r.get("phase", ""),
+                        r.get("leaders"))
     return cases
 
 
 def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: str, split: str, hw: dict,
-                    cfg: dict, ok: bool, ms: float | None, phase: str = "") -> None:
+                    cfg: dict, ok: bool, ms: float | None, phase: str = "", leaders: str | None = None) -> None:
+    """Add one journal row. A confirmation row of other leaders than the case's current ones starts over: a case's
+    leaders only change by more rows joining them, so the later confirmation is of the current leaders, and rounds
+    hours apart are not comparable."""
     key = (kernel, isa, json.dumps(shape, sort_keys=True))
     c = cases.get(key)
     if c is None:
         c = cases[key] = Case(kernel, isa, dict(shape), workload, split, hw)
+    if phase == "confirm" and leaders != c.confirmation:
+        c.confirmation, c.confirm_ms = leaders, {}
     k = config_key(cfg)
     c.configs.setdefault(k, dict(cfg))
     c.phases.setdefault(k, phase)
