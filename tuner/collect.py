@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="quantized_models/data/runs.jsonl", help="JSONL journal (appended, resumable)")
     ap.add_argument("--kernel", action="append", help="only these kernels (default: all bundled)")
     ap.add_argument("--isa", action="append", help=f"ISA caps (default: {', '.join(ISAS)})")
-    ap.add_argument("--configs", type=int, default=60, help="sampled configs per kernel and ISA (plus defaults)")
+    ap.add_argument("--configs", type=int, default=100, help="sampled configs per kernel and ISA (plus defaults)")
     ap.add_argument("--shapes", type=int, default=22, help="shapes per kernel, bundled workloads included")
     ap.add_argument("--extra-shapes", type=int, default=22,
                     help="more synthetic training shapes per kernel (their own seeded stream: the base shapes and "
