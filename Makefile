@@ -32,7 +32,7 @@ run: install
 test: dev mosquitto
 	$(PY) -m pytest -q
 
-# reproduce quantized_models/ from the committed data (about 40 s on 2 cores)
+# reproduce quantized_models/ from the committed data (about 50 s on 2 cores)
 model: $(VENV)/.dev
 	$(PY) -m tuner.train
 
