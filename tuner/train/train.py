@@ -46,9 +46,9 @@ class Recipe:
 
     dim 192 / ffn 512 (head dim 64): a token costs ~1.0 M multiply-adds against ~1.9 M at dim 256 / ffn 768, which
     cut proposal latency ~27% at the same held-out accuracy (several seeds of each, measured side by side).
-    Measured against this recipe, side by side (measured top-5 hits of 72 held-out cases, one seed each), and not
-    better: dropout 0.1 at 200 / 400 steps 47 / 52 and 0.2 at 400 steps 42, against 57; targets of each case's
-    top 20 / 30 configs 51 / 52 (top 20 at tau 0.15: 53), against 57."""
+    Measured against this recipe, side by side (measured top-5 hits of 72 held-out cases, one seed each, on the data
+    before its sample grew to 100 configs), and not better: dropout 0.1 at 200 / 400 steps 47 / 52 and 0.2 at 400
+    steps 42, against 57; targets of each case's top 20 / 30 configs 51 / 52 (top 20 at tau 0.15: 53), against 57."""
 
     dim: int = 192
     layers: int = 2
