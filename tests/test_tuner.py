@@ -155,6 +155,49 @@ def test_finals_remeasure_only_plausible_winners_and_the_default(hw, runner):
     assert len(finals) == FINAL_ROUNDS * len(final_keys)  # interleaved rounds over each finalist
 
 
+def test_final_figures_pool_the_search_measurement_with_the_rounds(hw, runner):
+    """A finalist's figure is the median over its interleaved rounds and its own search measurement (same window),
+    which measured as good a pick as a round more (bench/finals_study.py); a failed search measurement is left out."""
+    import statistics
+
+    db = ResultsDB()
+    space = GEMM.space(SMALL.shape, hw)
+    default = space.valid_default()
+
+    class Fixed(RandomSearch):
+        todo = space.sample(3, random.Random(5), exclude={config_key(default)})
+
+        def ask(self, n):
+            out, self.todo = self.todo, []
+            return out
+
+    priors: dict[str, Measurement | None] = {}
+
+    class Spy(Session):  # records what the finals are handed to pool
+        def remeasure(self, spec, wl, cfgs, session_id, phase, *args, prior=None, **kw):
+            priors.update(zip(map(config_key, cfgs), prior))
+            return super().remeasure(spec, wl, cfgs, session_id, phase, *args, prior=prior, **kw)
+
+    r = Spy(db, runner, hw).tune(GEMM, SMALL, strategy_obj=Fixed(space), budget=Budget(evals=3))
+    search = {config_key(m["config"]): m["stats"]["ms"] for m in db.measurements(r.session_id, "search")}
+    finals: dict[str, list[float]] = {}
+    for m in db.measurements(r.session_id, "final"):
+        finals.setdefault(config_key(m["config"]), []).append(m["stats"]["ms"])
+    assert priors.keys() == finals.keys() and priors.pop(config_key(default)) is None  # the default: never searched
+    assert priors and all(m.ms == search[k] for k, m in priors.items())  # each searched finalist: its own sample
+    won = config_key(r.config)
+    assert r.ms == statistics.median(finals[won] + ([search[won]] if won in search else []))
+    assert r.default_ms == statistics.median(finals[config_key(default)])
+
+    prior = Measurement(ok=True, ms=1e6, load1=0.0)  # absurdly slow: the median of [1e6, a, b] is max(a, b)
+    pooled = Session(db, runner, hw).remeasure(GEMM, SMALL, [default, default], r.session_id, "verify", rounds=2,
+                                               prior=[prior, Measurement.failed("crashed")])
+    rounds = [m["stats"]["ms"] for m in db.measurements(r.session_id, "verify")]
+    assert len(rounds) == 4  # the prior is pooled, not recorded again as a round
+    assert pooled[0].ms == statistics.median([1e6, *rounds[0::2]]) == max(rounds[0::2])
+    assert pooled[1].ms == statistics.median(rounds[1::2])  # the failed prior is left out
+
+
 def test_budget_and_cache(hw, runner):
     db = ResultsDB()
     s = Session(db, runner, hw)

@@ -29,8 +29,11 @@ from tuner.strategies import Strategy, make_strategy
 
 log = logging.getLogger(__name__)
 
-SEARCH_MIN_TIME_S = 0.05  # per-variant timing budget, while searching and per interleaved finalist round
-FINAL_ROUNDS = 3  # interleaved re-measurements of each finalist
+# per-variant timing budget, while searching and per interleaved finalist round. Drift between rounds, not the
+# window, sets the noise here: the same binary moves a median 4% from one round to the next at 0.025 s and at 0.05 s
+# alike, so a shorter window buys rounds for the same time (bench/finals_study.py)
+SEARCH_MIN_TIME_S = 0.025
+FINAL_ROUNDS = 3  # interleaved re-measurements of each finalist; its search measurement joins them in the median
 FINALISTS = 4
 FINALIST_MARGIN = 1.15  # a config measured over 15% slower than the best while searching cannot win on noise
 
@@ -216,12 +219,14 @@ class Session:
         return [o for o in out if o is not None]
 
     def remeasure(self, spec: KernelSpec, wl: Workload, cfgs: list[Config], session_id: int, phase: str,
-                  rounds: int = FINAL_ROUNDS, objective: Objective | None = None) -> list[Measurement]:
-        """Interleaved A B C A B C ... so drift and bursts of load hit every finalist alike; median per config."""
+                  rounds: int = FINAL_ROUNDS, objective: Objective | None = None,
+                  prior: list[Measurement | None] | None = None) -> list[Measurement]:
+        """Interleaved A B C A B C ... so drift and bursts of load hit every finalist alike; median per config,
+        over the rounds and the config's `prior` measurement from this session (same window), when it has one."""
         objective = objective or Objective()
         with self._timed("compile_s"):
             builds = build_many(spec, cfgs, self.hw, shape=wl.shape)
-        per: list[list[Measurement]] = [[] for _ in cfgs]
+        per: list[list[Measurement]] = [[p] if p is not None and p.ok else [] for p in prior or [None] * len(cfgs)]
         seq = 0
         for _ in range(rounds):
             for i, (cfg, b) in enumerate(zip(cfgs, builds)):
@@ -257,20 +262,14 @@ class Session:
             self.db.finish_session(session_id, "failed", {"reason": "every variant failed", "failed": failed})
             raise EdgetuneError(f"{spec.name}/{wl.name}: all {len(evals)} variants failed "
                                 f"(first: {evals[0][1].reason if evals else 'none measured'})")
-        # finalists: the fastest few that could still be the best once noise is averaged out
-        limit = FINALIST_MARGIN * ok[0][1].value if ok[0][1].value > 0 else float("inf")
-        finalists = [c for c, m in ok[:FINALISTS] if m.value <= limit]
-        if config_key(default) not in {config_key(c) for c in finalists}:
-            finalists.append(default)  # the default is always a finalist: speedup is measured, not assumed
-        final = self.remeasure(spec, wl, finalists, session_id, "final", objective=objective)
+        finalists = pick_finalists(ok, default)
+        searched = {config_key(c): m for c, m in ok}
+        final = self.remeasure(spec, wl, finalists, session_id, "final", objective=objective,
+                               prior=[searched.get(config_key(c)) for c in finalists])
         if objective.fallback_reason:  # a finalist's window was refused: rank them all by latency
             for m in final:
                 m.score = m.ms
-        scored = [(c, m) for c, m in zip(finalists, final) if m.ok]
-        best = min(m.value for _, m in scored)
-        # ties (within the noise threshold) go to the default, then to the config closest to it
-        tied = [(c, m) for c, m in scored if is_tie(m.value, best)]
-        winner, wm = min(tied, key=lambda cm: (space.distance(cm[0], default), cm[1].value))
+        winner, wm = pick_winner([(c, m) for c, m in zip(finalists, final) if m.ok], space, default)
         dm = next((m for c, m in zip(finalists, final) if config_key(c) == config_key(default) and m.ok), None)
         res = TuneResult(
             kernel=spec.name, workload=wl.name, shape=wl.shape, config=winner, ms=wm.ms,
@@ -303,6 +302,25 @@ class Session:
             pinned = {k: v for k, v in self.db.active_entry(spec.name, wl.name).items() if k != "pinned"}
             pinned["tuned_entry"] = entry  # remembered, so unpin restores the tuned result
             self.db.set_active(spec.name, wl.name, pinned, pinned=True)
+
+
+def pick_finalists(ok: list[tuple[Config, Measurement]], default: Config) -> list[Config]:
+    """The fastest few search results (`ok`, sorted by value) that could still be the best once noise is averaged
+    out, plus the default: a speedup is measured, not assumed."""
+    limit = FINALIST_MARGIN * ok[0][1].value if ok and ok[0][1].value > 0 else float("inf")
+    finalists = [c for c, m in ok[:FINALISTS] if m.value <= limit]
+    if config_key(default) not in {config_key(c) for c in finalists}:
+        finalists.append(default)
+    return finalists
+
+
+def pick_winner(scored: list[tuple[Config, Measurement]], space: SearchSpace,
+                default: Config) -> tuple[Config, Measurement]:
+    """The fastest finalist; ties (within the noise threshold) go to the default, then to the config closest to it,
+    so noise never moves a device off a config for nothing."""
+    best = min(m.value for _, m in scored)
+    tied = [(c, m) for c, m in scored if is_tie(m.value, best)]
+    return min(tied, key=lambda cm: (space.distance(cm[0], default), cm[1].value))
 
 
 def _from_stats(stats: dict) -> Measurement:
