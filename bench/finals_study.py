@@ -43,6 +43,7 @@ POLICIES = {
     "0.025 s, search + 4 rounds": (0.025, [0.025] * 4, True),
 }
 WINDOWS = sorted({w for sw, fws, _ in POLICIES.values() for w in [sw, *fws]})
+POLICY_ROUNDS = 1 + max(len(fws) for _, fws, _ in POLICIES.values())  # a search round + the most final rounds
 
 
 def collect(rounds: int) -> list[dict]:
@@ -60,7 +61,8 @@ def collect(rounds: int) -> list[dict]:
             hw = hws.get(case.isa) or hws.setdefault(case.isa, probe(isa_cap=case.isa, measure_bandwidth=False))
             space = spec.space(case.shape, hw)
             top = LLMStrategy(space, kernel=case.kernel, proposer=prop, k=5).ask(5)[:5]
-            cfgs = list({config_key(c): c for c in [*top, case.ranked()[0][0], space.valid_default()]}.values())
+            default = space.valid_default()
+            cfgs = list({config_key(c): c for c in [*top, case.ranked()[0][0], default]}.values())
             builds = build_many(spec, cfgs, hw, shape=case.shape)
             rng = random.Random(i)
             ms = [[[None] * len(WINDOWS) for _ in range(rounds)] for _ in cfgs]
@@ -74,10 +76,10 @@ def collect(rounds: int) -> list[dict]:
                         m = runner.measure(spec, case.shape, builds[j].path, min_time_s=WINDOWS[k])
                         cost[WINDOWS[k]].append(time.perf_counter() - t)
                         ms[j][r][k] = m.ms if m.ok else None
-            top_keys = {config_key(c) for c in top}
             out.append({"kernel": case.kernel, "isa": case.isa, "workload": case.workload, "shape": case.shape,
-                        "configs": cfgs, "searched": [config_key(c) in top_keys or config_key(c) != config_key(
-                            space.valid_default()) for c in cfgs], "ms": ms,
+                        "configs": cfgs, "ms": ms,
+                        # a session searches its proposals, and the default only when it is one of them
+                        "searched": [c in top or c != default for c in cfgs],
                         "cost_s": {str(w): statistics.fmean(v) for w, v in cost.items() if v},
                         "load1": os.getloadavg()[0]})
             print(f"  [{i + 1}/{len(held)}] {case.kernel} {case.isa} {case.workload}: {len(cfgs)} configs x {rounds} "
@@ -127,7 +129,7 @@ def analyse(cases: list[dict], draws: int, seed: int = 0) -> None:
     from hwprobe import probe
 
     specs, hws, rng = all_specs(), {}, random.Random(seed)
-    used = 1 + max(len(fws) for _, fws, _ in POLICIES.values())
+    used = POLICY_ROUNDS
     per_case: dict[str, list[tuple[float, float]]] = {p: [] for p in POLICIES}
     totals = {p: {"hit5": 0, "hit3": 0, "regret": [], "cost": 0.0} for p in POLICIES}
     for case in cases:
@@ -181,11 +183,15 @@ def _paired(diffs: list[float], rng: random.Random, fmt: str, boots: int = 2000)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=10, help="rounds measured per case (the policy uses up to 5)")
+    ap.add_argument("--rounds", type=int, default=2 * POLICY_ROUNDS,
+                    help=f"rounds measured per case (a policy uses {POLICY_ROUNDS}, the truth the rest)")
     ap.add_argument("--draws", type=int, default=300, help="bootstrap splits of the rounds per case")
     ap.add_argument("--json", help="write the collected measurements here")
     ap.add_argument("--load", help="analyse measurements collected earlier instead of measuring")
     a = ap.parse_args(argv)
+    if not a.load and a.rounds < 2 * POLICY_ROUNDS:
+        ap.error(f"--rounds {a.rounds}: a policy uses {POLICY_ROUNDS} rounds and the truth as many again; "
+                 f"use at least {2 * POLICY_ROUNDS}")
     if a.load:
         cases = json.loads(Path(a.load).read_text())["cases"]
     else:

@@ -307,7 +307,7 @@ class Session:
 def pick_finalists(ok: list[tuple[Config, Measurement]], default: Config) -> list[Config]:
     """The fastest few search results (`ok`, sorted by value) that could still be the best once noise is averaged
     out, plus the default: a speedup is measured, not assumed."""
-    limit = FINALIST_MARGIN * ok[0][1].value if ok and ok[0][1].value > 0 else float("inf")
+    limit = FINALIST_MARGIN * ok[0][1].value if ok[0][1].value > 0 else float("inf")
     finalists = [c for c, m in ok[:FINALISTS] if m.value <= limit]
     if config_key(default) not in {config_key(c) for c in finalists}:
         finalists.append(default)
