@@ -420,39 +420,56 @@ def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
     return rows
 
 
+def measure_lists(runner, spec, case: D.Case, hw, lists: dict[str, list[Config]], rounds: int = 7,
+                  seed: int = 0) -> tuple[dict[str, list[float | None]], float | None, float | None]:
+    """Each list's configs as same-round ratios to the case's best-known config, the control, and the best-known's
+    median ms now. Every distinct config of all lists is measured once per round (`ratios_to_first`), so lists
+    that share a config share its measurement, and all lists are judged on the same rounds. The control is the
+    best-known config measured again as if proposed: its share within 5% is the ceiling this host's noise leaves."""
+    ref = case.ranked()[0][0]
+    keys = list(dict.fromkeys(config_key(c) for cs in lists.values() for c in cs if config_key(c) != config_key(ref)))
+    by_key = {config_key(c): c for cs in lists.values() for c in cs}
+    cfgs = [ref] + [by_key[k] for k in keys] + [ref]
+    ratios, ref_ms = ratios_to_first(runner, spec, case.shape, hw, cfgs, rounds, seed=seed)
+    of = dict(zip([config_key(ref)] + keys, ratios[:-1]))
+    return {name: [of[config_key(c)] for c in cs] for name, cs in lists.items()}, ratios[-1], ref_ms
+
+
+def held_out_hw(case: D.Case, cache: dict) -> object:
+    """This machine's descriptor capped at the case's ISA (one probe per ISA)."""
+    from hwprobe import probe
+
+    if case.isa not in cache:
+        cache[case.isa] = probe(isa_cap=case.isa, measure_bandwidth=False)
+    return cache[case.isa]
+
+
 def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int = 7, pool: int = 1) -> list[dict]:
     """Strategy llm's first batch (the model's top-k over the full space, hedged when pool > 1) on every held-out
-    case, compiled and measured now in rounds with the case's best-known config (`ratios_to_first`).
+    case, compiled and measured now in rounds with the case's best-known config (`measure_lists`).
 
     This is the product path (the full space, not the replay table): a proposal the collection never measured
-    counts at its real speed. A proposal faster than the best-known counts as within 5%. The best-known config
-    is also measured a second time as if it were a proposal: that control's share within 5% is the ceiling this
-    measurement can show on this host."""
-    from hwprobe import probe
+    counts at its real speed. A proposal faster than the best-known counts as within 5%."""
     from kernels.worker import Runner
     from tuner.llm import LLMStrategy, load_proposer
 
     specs = all_specs()
     prop = load_proposer(model)
-    hws = {}
+    hws: dict = {}
     rows = []
     with Runner() as runner:
         for i, case in enumerate(cases):
             spec = specs[case.kernel]
-            hw = hws.get(case.isa) or hws.setdefault(case.isa, probe(isa_cap=case.isa, measure_bandwidth=False))
-            space = spec.space(case.shape, hw)
-            ref = case.ranked()[0][0]
+            space = spec.space(case.shape, held_out_hw(case, hws))
             top = LLMStrategy(space, kernel=case.kernel, proposer=prop, k=k, pool=pool).ask(k)[:k]
-            cfgs = [ref] + [c for c in top if config_key(c) != config_key(ref)] + [ref]
-            ratios_all, ref_ms = ratios_to_first(runner, spec, case.shape, hw, cfgs, rounds, seed=i)
-            by_key = dict(zip((config_key(c) for c in cfgs[:-1]), ratios_all[:-1]))
-            ratios = [by_key[config_key(c)] for c in top]
+            lists, control, ref_ms = measure_lists(runner, spec, case, space.hw, {"llm": top}, rounds, seed=i)
+            ratios = lists["llm"]
             hit = next((n + 1 for n, r in enumerate(ratios) if r is not None and r <= 1.05), None)
             rows.append({"kernel": case.kernel, "isa": case.isa, "workload": case.workload, "ref_ms": ref_ms,
-                         "ratios": ratios, "evals_to": hit, "control": ratios_all[-1], "load1": os.getloadavg()[0]})
+                         "ratios": ratios, "evals_to": hit, "control": control, "load1": os.getloadavg()[0]})
             print(f"  [{i + 1}/{len(cases)}] {case.kernel} {case.isa} {case.workload}: top-{k} ratios "
                   + " ".join(f"{r:.2f}" if r else "fail" for r in ratios)
-                  + f", control {ratios_all[-1] or float('nan'):.2f}, load {rows[-1]['load1']:.2f}", flush=True)
+                  + f", control {control or float('nan'):.2f}, load {rows[-1]['load1']:.2f}", flush=True)
     return rows
 
 
