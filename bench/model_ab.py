@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -39,12 +38,10 @@ def hit_at(ratios: list[float | None], k: int) -> bool:
 
 
 def sign_test(b: int, c: int) -> float:
-    """Exact two-sided p-value of b against c discordant cases under 50/50."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
+    """Exact two-sided p-value of b against c discordant cases under 50/50 (1.0 when there are none)."""
+    from scipy.stats import binomtest  # the [bench] extra's scipy
+
+    return binomtest(b, b + c).pvalue if b + c else 1.0
 
 
 def ensemble_top(lists: list[dict[str, tuple[Config, float]]], k: int) -> list[Config]:
@@ -75,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         name, sep, path = arg.partition("=")
         if not sep or not Path(path).is_file():
             ap.error(f"{arg!r}: expected NAME=PATH of an existing GGUF file")
+        if name in models:
+            ap.error(f"{arg!r}: the name {name!r} is already taken; give each model its own")
         models[name] = Path(path)
     ensembles = [e.split(",") for e in a.ensemble]
     for e in ensembles:
