@@ -7,6 +7,11 @@ measured once. Taking turns case by case, as earlier A/Bs did, left each model i
 speed drifts between them. The output also pairs each model with the first one: the cases one hit within 5% and
 the other missed, with an exact two-sided sign test over those discordant cases.
 
+`--descriptor data` prompts each model with the hardware descriptor the case was collected under (the collection
+host's caches, cores and bandwidth) instead of this machine's, which is what a device sends; the configs are
+built and measured here either way. It separates how a model ranks configs from how it reads a device it was not
+trained on.
+
 `--ensemble a,b` adds the members' product of experts: the top-K by summed log-probability. Each member is searched
 to its top-`--depth`; a config missing from a member's list scores that list's lowest log-probability, an upper
 bound, so the ensemble's list is approximate below the members' depth. Training a model per seed:
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=40, help="each member's list length for ensembles")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cases", type=int, default=0, help="only the first N held-out cases (default: all)")
+    ap.add_argument("--descriptor", choices=("here", "data"), default="here",
+                    help="the prompts' hardware descriptor: this machine's (as a device sends) or the case's recorded one")
     ap.add_argument("--data", default=str(D.DEFAULT_DATA))
     ap.add_argument("--json", help="write the per-case rows to this file")
     a = ap.parse_args(argv)
@@ -91,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     held = held[:a.cases] if a.cases > 0 else held
     specs = all_specs()
     names = list(models) + ["+".join(e) for e in ensembles]
-    print(f"{len(held)} held-out cases; variants {', '.join(names)}; top-{a.k}; load {os.getloadavg()[0]:.2f}",
-          flush=True)
+    print(f"{len(held)} held-out cases; variants {', '.join(names)}; top-{a.k}; {a.descriptor}'s descriptor; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
     hws: dict = {}
     rows = []
     t0 = time.time()
@@ -100,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, case in enumerate(held):
             spec = specs[case.kernel]
             space = spec.space(case.shape, CT.held_out_hw(case, hws))
+            asked = space if a.descriptor == "here" else spec.space(case.shape, D.HwView(case.hw))
             ranked = {name: {config_key(p.config): (p.config, p.logprob)
-                             for p in prop.propose(case.kernel, space, depth).proposals}
+                             for p in prop.propose(case.kernel, asked, depth).proposals}
                       for name, prop in proposers.items()}
             lists = {name: [cfg for cfg, _ in ranked[name].values()][:a.k] for name in models}
             for e in ensembles:
