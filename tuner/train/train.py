@@ -62,7 +62,8 @@ class Recipe:
     an AMD EPYC host whose descriptor the data never held, seeds 0-2 against this recipe without it, two runs of
     `bench/model_ab.py`: 61 / 61 / 62 and 60 / 60 / 62 against 61 / 52 / 61 and 59 / 53 / 62 (mean 61.0 against
     58.0, and seed 1's 52-53 gone); prompted with the collection host's own descriptor (`--descriptor data`), 60 /
-    61 / 63 against 62 / 63 / 62. Proposal latency p95 8.4 against 11.7 ms there, interleaved."""
+    61 / 63 against 62 / 63 / 62. Proposal latency p95 8.4 against 11.7 ms there, interleaved. In a further run
+    on that host, hw_mix 0.5 with 400 steps read 61 / 56 / 60 and hw_mix 1.0 61 / 58 / 57, against 58 / 60 / 59."""
 
     dim: int = 192
     layers: int = 2
