@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kernels.space import config_key
 from tuner.collect import data_card, leaders_id, read_rows, shape_key
-from tuner.train.data import add_measurement, load_collector
+from tuner.train.data import add_measurement, load_collector, load_records
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--kernel", "gru", "--isa", "x86-64-v2", "--configs", "3", "--shapes", "4", "--heldout", "1",
@@ -132,3 +132,28 @@ def test_training_ranks_confirmed_leaders_by_their_rounds_alone():
     (case,) = cases.values()
     assert [c["tile"] for c, _ in case.ranked()] == ["b", "a", "c"]
     assert case.table() == {config_key({"tile": k}): ms for k, ms in first.items()}  # the replay's table: first pass
+
+
+def test_records_of_another_device_are_cases_of_their_own(tmp_path):
+    """The fleet loop: the same problem tuned on a second device becomes a second case, prompted with that device's
+    descriptor; merged into the collection host's case, its timings would be trained under the other host's
+    descriptor and drowned by that host's confirmed leaders. A held-out problem is skipped on every device."""
+    import json
+
+    host = {"hw_fingerprint": "xeon", "isa": "x86-64-v3", "vector_bits": 256, "cores": 2, "l2": 2 << 20}
+    device = {"hw_fingerprint": "epyc", "isa": "x86-64-v3", "vector_bits": 256, "cores": 2, "l2": 1 << 20}
+    cases: dict = {}
+    for m, split in ((8, "train"), (9, "heldout")):
+        add_measurement(cases, "gemm", "x86-64-v3", {"M": m}, "w", split, host, {"tile": "a"}, True, 1.0, "sample")
+    recs = [{"kernel": "gemm", "isa": "x86-64-v3", "shape": {"M": m}, "workload": "w", "hw": device,
+             "measurements": [{"phase": "search", "seq": 0, "config": {"tile": "b"}, "ok": True, "ms": 0.5}]}
+            for m in (8, 9)]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _, sessions = load_records(path, cases, {c.problem for c in cases.values() if c.split == "heldout"})
+    assert sessions == 2 and len(cases) == 3
+    by = {(c.hw["hw_fingerprint"], c.shape["M"]): c for c in cases.values()}
+    assert set(by) == {("xeon", 8), ("xeon", 9), ("epyc", 8)}
+    assert by["epyc", 8].hw == device and by["epyc", 8].table() == {config_key({"tile": "b"}): 0.5}
+    assert by["xeon", 8].table() == {config_key({"tile": "a"}): 1.0}
+    assert by["epyc", 8].problem == by["xeon", 8].problem and by["epyc", 8].key != by["xeon", 8].key

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a results DB (results.db) or a JSONL export of tuning records; repeatable")
     p.add_argument("--data", action="append", metavar="PATH",
                    help="collector data to train on as well (default: the committed dataset)")
-    p.add_argument("--no-base", action="store_true", help="train on the records only")
+    p.add_argument("--no-base", action="store_true",
+                   help="train on the records only (not the committed journal and device records)")
     p.add_argument("--out", help="output dir (default: <state dir>/models)")
     p.add_argument("--steps", type=int, help="training steps (default: the shipped model's recipe)")
     p.add_argument("--max-minutes", type=float, default=30.0)
@@ -83,10 +84,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not Path(r).exists():
             raise BadInput(f"records file {r} not found")
     out = Path(args.out) if args.out else paths.state_dir() / "models"
-    data = [Path(p) for p in args.data] if args.data else ([] if args.no_base else [D.DEFAULT_DATA])
+    data, records = D.base_sources(args.data, args.no_base)
     t = time.time()
     with contextlib.redirect_stdout(sys.stderr):  # progress goes to stderr; stdout stays the result (--json)
-        card = run([p for p in data if p.exists()], [Path(r) for r in args.records], out,
+        card = run([p for p in data if p.exists()], records + [Path(r) for r in args.records], out,
                    Recipe(**({"steps": args.steps} if args.steps else {})),
                    deadline_s=args.max_minutes * 60)
     res = {"model": str(out / card["file"]), "version": card["version"], "bytes": card["bytes"],

@@ -21,6 +21,18 @@ from kernels.space import config_key
 from tuner.model.prompt import ISA_VECTOR_BITS
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "quantized_models" / "data" / "runs.jsonl.gz"
+# tuning records from other devices, committed beside the collector's journal (the fleet loop's input)
+DEFAULT_RECORDS = tuple(sorted(DEFAULT_DATA.parent.glob("records.*.jsonl.gz")))
+
+
+def base_sources(data: list[str] | None, no_base: bool) -> tuple[list[Path], list[Path]]:
+    """(collector journals, records) to train on before any --records: the given journals alone, nothing with
+    `no_base`, else the committed journal and the committed device records."""
+    if data:
+        return [Path(p) for p in data], []
+    if no_base:
+        return [], []
+    return [DEFAULT_DATA], list(DEFAULT_RECORDS)
 
 
 @dataclass
@@ -39,8 +51,12 @@ class Case:
     phases: dict[str, str] = field(default_factory=dict)
 
     @property
+    def problem(self) -> tuple:
+        return problem_key(self.kernel, self.isa, self.shape)
+
+    @property
     def key(self) -> tuple:
-        return (self.kernel, self.isa, json.dumps(self.shape, sort_keys=True))
+        return case_key(self.kernel, self.isa, self.shape, self.hw)
 
     def table(self) -> dict[str, float]:
         """config_key -> median ms: the reference table of this case."""
@@ -58,6 +74,17 @@ class Case:
 
     def best_ms(self) -> float:
         return min(self.table().values())
+
+
+def problem_key(kernel: str, isa: str, shape: dict) -> tuple:
+    """What a case solves: kernel, ISA cap and shape, on whichever device."""
+    return (kernel, isa, json.dumps(shape, sort_keys=True))
+
+
+def case_key(kernel: str, isa: str, shape: dict, hw: dict) -> tuple:
+    """A case is a problem on one device: the same shape tuned on two devices is two cases, each prompted with
+    its own descriptor (merged, one device's timings would be trained under the other's)."""
+    return problem_key(kernel, isa, shape) + (hw.get("hw_fingerprint") or "",)
 
 
 def _open(path: Path):
@@ -109,7 +136,7 @@ def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: s
     """Add one journal row. A confirmation row of other leaders than the case's current ones starts over: a case's
     leaders only change by more rows joining them, so the later confirmation is of the current leaders, and rounds
     hours apart are not comparable."""
-    key = (kernel, isa, json.dumps(shape, sort_keys=True))
+    key = case_key(kernel, isa, shape, hw)
     c = cases.get(key)
     if c is None:
         c = cases[key] = Case(kernel, isa, dict(shape), workload, split, hw)
@@ -140,8 +167,9 @@ def iter_record_sources(path: Path) -> Iterable[dict]:
     yield from _rows(path)
 
 
-def load_records(path: Path, cases: dict | None = None, heldout_keys: set | None = None) -> tuple[dict, int]:
-    """Add every ok measurement of every session; returns (cases, sessions read). Held-out shapes are skipped."""
+def load_records(path: Path, cases: dict | None = None, heldout: set | None = None) -> tuple[dict, int]:
+    """Add every ok measurement of every session; returns (cases, sessions read). Sessions of a `heldout` problem
+    (`problem_key`) are skipped, on every device."""
     cases = {} if cases is None else cases
     n = 0
     hw_cache: dict[str, dict] = {}
@@ -151,8 +179,7 @@ def load_records(path: Path, cases: dict | None = None, heldout_keys: set | None
         n += 1
         shape = rec["shape"] if isinstance(rec["shape"], dict) else json.loads(rec["shape"])
         isa = rec.get("isa", "x86-64-v2")
-        key = (rec["kernel"], isa, json.dumps(shape, sort_keys=True))
-        if heldout_keys and key in heldout_keys:
+        if heldout and problem_key(rec["kernel"], isa, shape) in heldout:
             continue
         hw = rec.get("hw") or hw_cache.get(isa) or hw_cache.setdefault(isa, _local_hw(isa))
         if isinstance(hw, dict) and "caches" in hw:  # a full HwDescriptor dict

@@ -63,7 +63,10 @@ class Recipe:
     `bench/model_ab.py`: 61 / 61 / 62 and 60 / 60 / 62 against 61 / 52 / 61 and 59 / 53 / 62 (mean 61.0 against
     58.0, and seed 1's 52-53 gone); prompted with the collection host's own descriptor (`--descriptor data`), 60 /
     61 / 63 against 62 / 63 / 62. Proposal latency p95 8.4 against 11.7 ms there, interleaved. In a further run
-    on that host, hw_mix 0.5 with 400 steps read 61 / 56 / 60 and hw_mix 1.0 61 / 58 / 57, against 58 / 60 / 59."""
+    on that host, hw_mix 0.5 with 400 steps read 61 / 56 / 60 and hw_mix 1.0 61 / 58 / 57, against 58 / 60 / 59.
+    Adding that host's own tuning records of the 240 training shapes (quantized_models/data/records.amd-epyc,
+    720 llm sessions; held-out shapes never tuned) read 67 / 64 / 67 and 63 / 63 / 64 over seeds 0-2 there, against
+    60 / 59 / 61 and 59 / 60 / 60 without them, in two runs: the fleet loop, measured."""
 
     dim: int = 192
     layers: int = 2
@@ -94,12 +97,13 @@ def hw_variants(hw: dict, rng: random.Random, n: int = HW_VARIANTS) -> list[dict
     """`n` copies of a case's descriptor with cache sizes, cores and bandwidth redrawn from EDGE_*; ISA and vector
     width stay, since the data varies them.
 
-    The data comes from one machine, so those fields are one constant per ISA in every training prompt: a model
+    The collector's journal comes from one machine, so those fields are one constant per ISA in its prompts: a model
     trained on them alone reads any other device's values (or a bandwidth not yet measured) as tokens it never
     saw, and its proposals shift at random. Measured on the 72 held-out cases, prompted with an AMD EPYC host's
     descriptor instead of the collection host's: without redrawing, the top-1 stayed in 34 and the whole top-5 in
     6; with it (hw_mix 0.5), in 67 and 38. Trained with the same labels under redrawn values, the model learns
-    that the data says nothing about them, until fleet records from other devices do."""
+    that the data says nothing about them; device records (`edgetune train --records`, the committed
+    records.*.jsonl.gz) bring real other descriptors, and their cases are redrawn alike."""
     return [hw | {"l1d": rng.choice(EDGE_L1D), "l2": rng.choice(EDGE_L2), "l3": rng.choice(EDGE_L3),
                   "cores": rng.choice(EDGE_CORES), "bandwidth_gbps": rng.choice(EDGE_BANDWIDTH_GBPS)}
             for _ in range(n)]
@@ -299,10 +303,10 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
         for row in D._rows(Path(p)):  # the training rows only: held-out references may grow without changing it
             if row.get("kind") == "hw" or row.get("split") == "train":
                 h.update(json.dumps(row, sort_keys=True).encode())
-    heldout_keys = {k for k, c in cases.items() if c.split == "heldout"}
+    heldout = {c.problem for c in cases.values() if c.split == "heldout"}
     n_sessions = 0
     for p in records:
-        _, n = D.load_records(p, cases, heldout_keys)
+        _, n = D.load_records(p, cases, heldout)
         n_sessions += n
         h.update(Path(p).read_bytes())
     dataset_sha = h.hexdigest()
@@ -350,7 +354,8 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
         "architecture": "llama", "prompt_format": PROMPT_FORMAT, "dataset_sha256": dataset_sha,
         "dataset_sha256_covers": "sha256 over the kind=hw and split=train lines of the data files (each as JSON with "
                                  "sorted keys, in file order), then the bytes of any --records files",
-        "dataset_files": [os.path.relpath(p, OUT_DIR.parent) for p in data] + [str(p) for p in records],
+        "dataset_files": [os.path.relpath(p, OUT_DIR.parent) if Path(p).resolve().is_relative_to(OUT_DIR.parent)
+                          else str(p) for p in data + records],
         "cases": {"train": len(train), "heldout": len(held), "examples": len(examples)},
         "tokenizer": {"type": "sentencepiece BPE", "pieces": cfg.vocab, "add_space_prefix": False},
         "training": training, "training_seconds": round(time.time() - t_all, 1),
@@ -385,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tuner.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", action="append", help=f"collector JSONL(.gz) (default: {D.DEFAULT_DATA})")
     ap.add_argument("--records", action="append", default=[], help="results DB or JSONL records to add")
-    ap.add_argument("--no-base", action="store_true", help="train on --records only")
+    ap.add_argument("--no-base", action="store_true",
+                    help="train on --records only (not the committed journal and device records)")
     ap.add_argument("--out", default=str(OUT_DIR))
     for f in dataclasses.fields(Recipe):
         ap.add_argument(f"--{f.name}", type=type(f.default), default=f.default)
@@ -393,12 +399,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="safety net: stop training after this long (the card records the steps done)")
     ap.add_argument("--card-only", action="store_true", help="only re-evaluate the held-out metrics of --out's model")
     a = ap.parse_args(argv)
-    data = [Path(p) for p in a.data] if a.data else ([] if a.no_base else [D.DEFAULT_DATA])
+    data, records = D.base_sources(a.data, a.no_base)
     if a.card_only:
         refresh_card(Path(a.out), data)
         return 0
     recipe = Recipe(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Recipe)})
-    run(data, [Path(p) for p in a.records], Path(a.out), recipe, deadline_s=a.max_minutes * 60)
+    run(data, records + [Path(p) for p in a.records], Path(a.out), recipe, deadline_s=a.max_minutes * 60)
     return 0
 
 
