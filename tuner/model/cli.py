@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--records", action="append", required=True, metavar="PATH",
                    help="a results DB (results.db) or a JSONL export of tuning records; repeatable")
     p.add_argument("--data", action="append", metavar="PATH",
-                   help="collector data to train on as well (default: the committed dataset)")
+                   help="collector data to train on as well, instead of the committed journal and device records")
     p.add_argument("--no-base", action="store_true",
                    help="train on the records only (not the committed journal and device records)")
     p.add_argument("--out", help="output dir (default: <state dir>/models)")
