@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def vector_registers(arch: str, isa_level: int) -> int:
+    if arch == "aarch64" or (arch == "x86_64" and isa_level >= 4):
+        return 32
+    return 16
+
+
 @dataclass(frozen=True)
 class CacheLevel:
     level: int
@@ -49,8 +55,10 @@ class HwDescriptor:
         return None
 
     @property
-    def vector_floats(self) -> int:
-        return self.vector_bits // 32
+    def vector_registers(self) -> int:
+        """Architectural SIMD registers a register tile may use: AVX-512 and aarch64 have 32, SSE/AVX2 16, and
+        armv7 NEON 16 quad (128-bit) registers. A kernel's register-tile constraint reads this."""
+        return vector_registers(self.arch, self.isa_level)
 
     def to_dict(self) -> dict:
         return asdict(self)
