@@ -14,16 +14,14 @@ import hashlib
 import json
 import logging
 import re
-import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable
 
-from daemon.store import daemon_db_path
+from daemon.store import Journal
 from edgetune.errors import BadInput
 
 log = logging.getLogger(__name__)
@@ -117,50 +115,6 @@ def parse(payload: bytes, now: float) -> tuple[str | None, Command | None, str |
         return cid, Command(cid, op, check_args(op, doc.get("args")), "fleet"), None
     except Rejected as e:
         return cid, None, str(e)
-
-
-class Journal:
-    """The command table: id → op, args, origin, last response. INSERT OR IGNORE makes the dedupe atomic."""
-
-    def __init__(self, path: Path | None = None):
-        self._lock = threading.Lock()
-        self._conn = sqlite3.connect(path or daemon_db_path(), timeout=30, isolation_level=None,
-                                     check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("""CREATE TABLE IF NOT EXISTS commands (
-            id TEXT PRIMARY KEY, op TEXT, args_json TEXT, origin TEXT NOT NULL, status TEXT NOT NULL,
-            response_json TEXT NOT NULL, received_at REAL NOT NULL, updated_at REAL NOT NULL)""")
-
-    def prune(self, keep_s: float = JOURNAL_KEEP_S) -> None:
-        """Forget finished commands older than the dedupe window, so the journal does not grow forever."""
-        with self._lock:
-            self._conn.execute(f"DELETE FROM commands WHERE status IN ({','.join('?' * len(TERMINAL))}) "
-                               "AND updated_at < ?", (*TERMINAL, time.time() - keep_s))
-
-    def insert(self, cmd_id: str, op: str | None, args: dict | None, origin: str, response: dict) -> bool:
-        """False when the id is already known (a duplicate)."""
-        now = time.time()
-        with self._lock:
-            cur = self._conn.execute(
-                "INSERT OR IGNORE INTO commands VALUES (?,?,?,?,?,?,?,?)",
-                (cmd_id, op, json.dumps(args), origin, response["status"], json.dumps(response), now, now))
-        return cur.rowcount == 1
-
-    def update(self, cmd_id: str, response: dict) -> None:
-        with self._lock:
-            self._conn.execute("UPDATE commands SET status=?, response_json=?, updated_at=? WHERE id=?",
-                               (response["status"], json.dumps(response), time.time(), cmd_id))
-
-    def response(self, cmd_id: str) -> dict | None:
-        with self._lock:
-            row = self._conn.execute("SELECT response_json FROM commands WHERE id=?", (cmd_id,)).fetchone()
-        return json.loads(row[0]) if row else None
-
-    def open_commands(self) -> list[Command]:
-        with self._lock:
-            rows = self._conn.execute(f"SELECT id, op, args_json, origin FROM commands WHERE status IN "
-                                      f"({','.join('?' * len(OPEN))}) ORDER BY received_at", OPEN).fetchall()
-        return [Command(r[0], r[1], json.loads(r[2]) or {}, r[3]) for r in rows]
 
 
 Respond = Callable[[str | None, dict], None]
@@ -284,7 +238,7 @@ class Commands:
 
     def interrupted(self) -> list[Command]:
         """At start: what the last run left open is reported failed with reason `interrupted`."""
-        cmds = self.journal.open_commands()
+        cmds = [Command(*row) for row in self.journal.in_status(OPEN)]
         for c in cmds:
             log.warning("command %s (%s) was interrupted by the last stop", c.id, c.op)
             self.update(c.id, "failed", reason="interrupted")

@@ -8,15 +8,15 @@ telemetry (kinds in DROPPABLE) is ever dropped for room, oldest first; records, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from edgetune import paths
+from edgetune.sqlite import Schema, Store
 
 log = logging.getLogger(__name__)
 
@@ -34,37 +34,37 @@ class Message:
     kind: str
 
 
-class Outbox:
+SCHEMA = Schema("outbox", 0x45544F31, (  # "ETO1"
+    # v1; IF NOT EXISTS adopts an outbox.db written before the schema was versioned
+    """
+    CREATE TABLE IF NOT EXISTS outbox (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        topic TEXT NOT NULL, payload BLOB NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL,
+        kind TEXT NOT NULL, size INTEGER NOT NULL, created REAL NOT NULL);
+    CREATE INDEX IF NOT EXISTS outbox_kind ON outbox(kind, id);
+    """,
+), legacy_tables=frozenset({"outbox", "sqlite_sequence"}))
+
+
+class Outbox(Store):
+    SCHEMA = SCHEMA
+
     def __init__(self, path: Path | None = None, max_bytes: int = 64 << 20, max_age_s: float = 7 * 86400.0):
-        self.path = Path(path) if path else paths.state_dir() / "outbox.db"
-        self.max_bytes, self.max_age_s = max_bytes, max_age_s
-        self._lock = threading.Lock()
-        self._conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
         # WAL + NORMAL: a committed row survives a process crash (kill -9); power loss may lose the last commits
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript("""
-            CREATE TABLE IF NOT EXISTS outbox (
-                id INTEGER PRIMARY KEY AUTOINCREMENT,
-                topic TEXT NOT NULL, payload BLOB NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL,
-                kind TEXT NOT NULL, size INTEGER NOT NULL, created REAL NOT NULL);
-            CREATE INDEX IF NOT EXISTS outbox_kind ON outbox(kind, id);
-        """)
-        self._count, self._bytes = self._conn.execute("SELECT count(*), coalesce(sum(size), 0) FROM outbox").fetchone()
+        super().__init__(Path(path) if path else paths.state_dir() / "outbox.db", threads=True,
+                         fix="stop the daemon, move the file aside (rename it) and start the daemon again: "
+                             "it starts a fresh one")
+        self.max_bytes, self.max_age_s = max_bytes, max_age_s
+        self._recount()
         self.dropped = 0  # since start, shown by `edgetune status`
         self._swept = 0.0
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
 
     def enqueue(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, kind: str) -> int | None:
         """Append one message; returns its id, or None when it was telemetry and there was no room for it."""
         size = len(payload) + len(topic)
         now = time.time()
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
+        with self.lock, self._recounted():
+            with self.tx() as c:
                 if now - self._swept >= _AGE_SWEEP_S:
                     self._drop_where("created < ?", (now - self.max_age_s,))
                     self._swept = now
@@ -72,15 +72,10 @@ class Outbox:
                     self._make_room(self._bytes + size - self.max_bytes)
                 if self._bytes + size > self.max_bytes and kind in DROPPABLE:
                     self.dropped += 1
-                    self._conn.execute("COMMIT")
                     return None
-                cur = self._conn.execute(
+                cur = c.execute(
                     "INSERT INTO outbox (topic, payload, qos, retain, kind, size, created) VALUES (?,?,?,?,?,?,?)",
                     (topic, payload, qos, int(retain), kind, size, now))
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
             self._count += 1
             self._bytes += size
             return cur.lastrowid
@@ -88,17 +83,17 @@ class Outbox:
     def _make_room(self, need: int) -> None:
         """Drop the oldest droppable rows until `need` bytes are free (or none is left)."""
         marks = ",".join("?" * len(DROPPABLE))
-        row = self._conn.execute(
+        row = self.conn.execute(
             f"SELECT id FROM (SELECT id, sum(size) OVER (ORDER BY id) AS freed FROM outbox WHERE kind IN ({marks})) "
             "WHERE freed >= ? ORDER BY id LIMIT 1", (*DROPPABLE, need)).fetchone()
         self._drop_where("id <= ?", (row[0] if row else 2**63 - 1,))  # no cut-off: all droppable rows go
 
     def _drop_where(self, where: str, args: tuple) -> None:
         marks = ",".join("?" * len(DROPPABLE))
-        n, size = self._conn.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM outbox WHERE ({where}) "
+        n, size = self.conn.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM outbox WHERE ({where}) "
                                      f"AND kind IN ({marks})", (*args, *DROPPABLE)).fetchone()
         if n:
-            self._conn.execute(f"DELETE FROM outbox WHERE ({where}) AND kind IN ({marks})", (*args, *DROPPABLE))
+            self.conn.execute(f"DELETE FROM outbox WHERE ({where}) AND kind IN ({marks})", (*args, *DROPPABLE))
             self._count -= n
             self._bytes -= size
             self.dropped += n
@@ -106,9 +101,8 @@ class Outbox:
 
     def after(self, last_id: int, limit: int) -> list[Message]:
         """The next messages to send, in order."""
-        with self._lock:
-            rows = self._conn.execute("SELECT id, topic, payload, qos, retain, kind FROM outbox WHERE id > ? "
-                                      "ORDER BY id LIMIT ?", (last_id, limit)).fetchall()
+        rows = self.query("SELECT id, topic, payload, qos, retain, kind FROM outbox WHERE id > ? ORDER BY id LIMIT ?",
+                          (last_id, limit))
         return [Message(r[0], r[1], bytes(r[2]), r[3], bool(r[4]), r[5]) for r in rows]
 
     def ack(self, ids: Iterable[int]) -> None:
@@ -116,28 +110,29 @@ class Outbox:
         ids = list(ids)
         if not ids:
             return
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                for i in range(0, len(ids), 500):
-                    chunk = ids[i:i + 500]
-                    marks = ",".join("?" * len(chunk))
-                    n, size = self._conn.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM outbox "
-                                                 f"WHERE id IN ({marks})", chunk).fetchone()
-                    self._conn.execute(f"DELETE FROM outbox WHERE id IN ({marks})", chunk)
-                    self._count -= n
-                    self._bytes -= size
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+        with self.lock, self._recounted(), self.tx() as c:
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                marks = ",".join("?" * len(chunk))
+                n, size = c.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM outbox WHERE id IN ({marks})",
+                                    chunk).fetchone()
+                c.execute(f"DELETE FROM outbox WHERE id IN ({marks})", chunk)
+                self._count -= n
+                self._bytes -= size
 
-    def _rollback(self) -> None:
-        """Undo, and recount: the in-memory totals may have moved inside the failed transaction."""
-        self._conn.execute("ROLLBACK")
-        self._count, self._bytes = self._conn.execute("SELECT count(*), coalesce(sum(size), 0) FROM outbox").fetchone()
+    @contextlib.contextmanager
+    def _recounted(self) -> Iterator[None]:
+        """On a failed transaction, recount: the in-memory totals may have moved inside it before the rollback."""
+        try:
+            yield
+        except BaseException:
+            self._recount()
+            raise
+
+    def _recount(self) -> None:
+        self._count, self._bytes = self.query_one("SELECT count(*), coalesce(sum(size), 0) FROM outbox")
 
     def depth(self) -> tuple[int, int]:
         """(messages, bytes) waiting."""
-        with self._lock:
+        with self.lock:
             return self._count, self._bytes

@@ -33,10 +33,7 @@ def build(db: ResultsDB, session_id: int, rid: str, device_id: str, hw: Any, mod
 def sweep(db: ResultsDB, store: DaemonStore, publisher: Publisher, device_id: str, hw: Any,
           model: dict | None) -> int:
     """Queue a record for every finished session not yet published; returns how many."""
-    # read-only use of the sessions table: ResultsDB has no listing of finished sessions
-    rows = db.conn.execute("SELECT id, key, started_at FROM sessions WHERE state IN ('done', 'failed') "
-                           "ORDER BY id").fetchall()
-    ids = {record_id(device_id, r["id"], r["key"], r["started_at"]): r["id"] for r in rows}
+    ids = {record_id(device_id, s.id, s.key, s.started_at): s.id for s in db.ended_sessions()}
     todo = store.unpublished(ids)
     for rid, sid in ids.items():
         if rid in todo:

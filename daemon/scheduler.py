@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from daemon import tunejob
+from daemon.store import results_db
 from daemon.targets import Target
 from tuner.db import ResultsDB
 
@@ -153,7 +154,7 @@ class Scheduler:
 
     def _tune(self, job: Job) -> Outcome:
         out = Outcome()
-        db = ResultsDB()  # this thread's own connection, for what the events publish
+        db = results_db()  # this thread's own connection, for what the events publish
         targets = list(job.targets.values())
         try:
             for i, t in enumerate(targets):

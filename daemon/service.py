@@ -18,7 +18,7 @@ from typing import Any
 
 from edgetune import config as config_mod
 from daemon import firmware, records, sdnotify, targets
-from daemon.commands import TERMINAL, Command, Commands, Journal
+from daemon.commands import JOURNAL_KEEP_S, TERMINAL, Command, Commands
 from edgetune.config import DaemonConfig
 from daemon.control import ControlServer
 from daemon.info import info_doc, model_info
@@ -26,7 +26,7 @@ from daemon.mqtt import CONNECT_TIMEOUT_S, Link
 from daemon.outbox import Outbox
 from daemon.publisher import Publisher, encode, status_doc
 from daemon.scheduler import Job, Outcome, Scheduler
-from daemon.store import DaemonStore
+from daemon.store import DaemonStore, Journal, results_db
 from daemon.telemetry import Telemetry
 from daemon.topics import Topics
 from edgetune import __version__
@@ -83,7 +83,7 @@ class Daemon:
     def db(self) -> ResultsDB:
         """This thread's results DB connection (sqlite3 connections must stay in their thread)."""
         if not hasattr(self._local, "db"):
-            self._local.db = ResultsDB()
+            self._local.db = results_db()
         return self._local.db
 
     def _startup(self) -> None:
@@ -95,7 +95,7 @@ class Daemon:
         self.store = DaemonStore()
         self.session = self.store.next_session()
         self.outbox = Outbox(max_bytes=self.cfg.outbox.max_bytes, max_age_s=self.cfg.outbox.max_age_s)
-        self.journal = Journal()
+        self.journal = Journal(self.store)
         self.telemetry = Telemetry(self.store.next_seq)
         self.publisher = Publisher(self.outbox, Topics(self.cfg.device_id), broker=bool(self.cfg.mqtt.host))
         self.commands = Commands(self.journal, self.publisher.response, self._check, self._execute)
@@ -103,7 +103,7 @@ class Daemon:
         self.ops = ThreadPoolExecutor(1, thread_name_prefix="ops")
         log.info("edgetune daemon %s: device %s, session %d, hw %s, fw %s, %d workload(s) configured", __version__,
                  self.cfg.device_id, self.session, self.hw.hw_fingerprint, self.hw.fw_fingerprint, len(self.pairs))
-        self.journal.prune()
+        self.journal.prune(TERMINAL, JOURNAL_KEEP_S)
         self.commands.interrupted()
         records.sweep(self.db(), self.store, self.publisher, self.cfg.device_id, self.hw, self.model)
         self._start_link()

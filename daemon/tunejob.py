@@ -59,7 +59,7 @@ def main() -> int:
     from kernels.registry import get_spec
     from kernels.spec import Workload
     from kernels.worker import Runner
-    from tuner.db import ResultsDB
+    from daemon.store import results_db
     from hwprobe.power import meter_from_config
     from tuner.objective import Objective
     from tuner.session import Budget, Session
@@ -82,7 +82,7 @@ def main() -> int:
     # its last measurement when the restarted daemon starts the same (resumable) session
     lock = open(paths.state_dir() / "tune.lock", "w")  # held until this process exits
     fcntl.flock(lock, fcntl.LOCK_EX)
-    db = ResultsDB()
+    db = results_db()
     meter = meter_from_config(req["power"]) if req["objective"] != "latency" else None
     try:
         if meter:

@@ -4,8 +4,8 @@ Topics and payloads follow DESIGN.md "daemon and MQTT (contract)": `edgetune/v1/
 config/active, tuning/record, telemetry, cmd/req, cmd/res/{id}. Validation is lenient about extra or missing
 optional fields and strict only where storage needs it (a status state, a telemetry seq, a record's kernel and
 workload, a response status). Anything else that is wrong with a payload makes it "malformed": logged, noted in
-the `malformed` table and skipped. `ingest` never raises for a payload; it raises only `sqlite3.OperationalError`
-(disk full, DB locked), which the listener treats as "do not acknowledge, retry later".
+the `malformed` table and skipped. `ingest` never raises for a payload; it raises only `DBError` (disk full, DB
+locked, damaged pages), which the listener treats as "do not acknowledge, retry later".
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import hashlib
 import json
 import logging
 import math
-import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from edgetune.sqlite import DBError
 from fleet.store import FleetStore
 
 log = logging.getLogger("fleet.ingest")
@@ -283,7 +283,7 @@ _HANDLERS: dict[str, Handler] = {
 
 
 def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False, now: float | None = None) -> Outcome:
-    """Store one message. Never raises for a bad topic or payload; raises sqlite3.OperationalError only."""
+    """Store one message. Never raises for a bad topic or payload; raises DBError only."""
     now = time.time() if now is None else now
     payload = bytes(payload or b"")
     device = None
@@ -294,7 +294,7 @@ def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False
             log.debug("ignoring %s: not a topic this fleet receiver knows", topic)
             return Outcome("ignored", device, sub)
         return handler(store, device, sub, payload, retained, now)
-    except sqlite3.OperationalError:
+    except DBError:
         raise  # the DB, not the payload: the caller retries
     except Exception as e:  # Malformed, or whatever else an odd payload provoked: skip it, keep running
         err = str(e) if isinstance(e, Malformed) else f"{type(e).__name__}: {str(e)[:300]}"

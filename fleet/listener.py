@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ from typing import Any, Callable
 
 import paho.mqtt.client as mqtt
 
+from edgetune.sqlite import DBError
 from fleet.ingest import SUBSCRIPTION, Outcome, ingest
 from fleet.mqtt import BrokerOpts, connect_kwargs, hostname, jitter, make_client, unsupported_protocol
 from fleet.store import FleetStore
@@ -43,7 +43,7 @@ class Listener:
                  session_expiry_s: int = DEFAULT_SESSION_EXPIRY_S, min_backoff_s: float = 0.5,
                  max_backoff_s: float = 60.0, on_outcome: Callable[[Outcome], None] | None = None):
         self.opts = opts
-        self.store = FleetStore(db, check_same_thread=False)  # used only by the loop's thread once started
+        self.store = FleetStore(db, threads=True)  # used only by the loop's thread once started
         self.client_id = client_id or default_client_id()
         self.session_expiry_s = session_expiry_s
         self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
@@ -185,7 +185,7 @@ class Listener:
             topic = msg._topic.decode("utf-8", "replace")
         try:
             out = ingest(self.store, topic, msg.payload, bool(msg.retain))
-        except sqlite3.Error as e:
+        except DBError as e:
             log.error("fleet DB %s: cannot store %s (%s); not acknowledging it", self.store.path, topic, e)
             self._retry = True
             self._count("retry", None)

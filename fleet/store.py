@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from edgetune import paths
-from edgetune.errors import EdgetuneError
+from edgetune.sqlite import Schema, Store
 
 APP_ID = 0x45544631  # "ETF1": tells the fleet DB from a results DB or a foreign SQLite file
 MALFORMED_KEEP = 1000  # rows kept in the malformed-message log
@@ -99,11 +99,6 @@ MIGRATIONS: list[str] = [
     );
     """,
 ]
-SCHEMA_VERSION = len(MIGRATIONS)
-
-
-class FleetDBError(EdgetuneError):
-    pass
 
 
 def default_path() -> Path:
@@ -124,74 +119,16 @@ def geomean(xs: list[float]) -> float | None:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
-class FleetStore:
-    """One connection to the fleet DB. Used from one thread at a time (the listener's loop, or a CLI verb)."""
+class FleetStore(Store):
+    """One connection to the fleet DB. Used from one thread at a time (the listener's loop, or a CLI verb);
+    `threads=True` lets the listener open it in one thread and use it in its loop's."""
 
-    def __init__(self, path: Path | str | None = None, *, check_same_thread: bool = True):
-        self.path = Path(path) if path else default_path()
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
-                                        check_same_thread=check_same_thread)
-            self.conn.row_factory = sqlite3.Row
-            app_id = self.conn.execute("PRAGMA application_id").fetchone()[0]
-            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-            tables = self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-            if app_id != APP_ID and (tables or version):
-                raise FleetDBError(f"{self.path} is not an edgetune fleet DB (another SQLite file); "
-                                   "pass --db with another path")
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            # FULL: a commit is on disk before the listener acks the message to the broker
-            self.conn.execute("PRAGMA synchronous=FULL")
-            self._migrate(version)
-        except sqlite3.DatabaseError as e:
-            raise FleetDBError(f"fleet DB {self.path}: {e}") from e
+    SCHEMA = Schema("fleet DB", APP_ID, tuple(MIGRATIONS))
 
-    def _migrate(self, version: int) -> None:
-        if version > SCHEMA_VERSION:
-            raise FleetDBError(f"{self.path} has schema v{version}, newer than this edgetune (v{SCHEMA_VERSION}); "
-                               "upgrade edgetune")
-        for v in range(version, SCHEMA_VERSION):
-            with self.tx() as c:
-                for stmt in filter(str.strip, MIGRATIONS[v].split(";")):
-                    c.execute(stmt)
-                c.execute(f"PRAGMA user_version={v + 1}")
-                c.execute(f"PRAGMA application_id={APP_ID}")
-
-    class _Tx:
-        def __init__(self, conn: sqlite3.Connection):
-            self.conn = conn
-
-        def __enter__(self) -> sqlite3.Connection:
-            self.conn.execute("BEGIN IMMEDIATE")
-            return self.conn
-
-        def __exit__(self, et: Any, e: Any, tb: Any) -> None:
-            if et is None:
-                try:
-                    self.conn.execute("COMMIT")
-                    return
-                except BaseException:
-                    self.conn.execute("ROLLBACK")
-                    raise
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
-
-    def tx(self) -> "FleetStore._Tx":
-        return FleetStore._Tx(self.conn)
-
-    def close(self) -> None:
-        self.conn.close()
-
-    def __enter__(self) -> "FleetStore":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    @property
-    def schema_version(self) -> int:
-        return self.conn.execute("PRAGMA user_version").fetchone()[0]
+    def __init__(self, path: Path | str | None = None, *, threads: bool = False):
+        # FULL: a commit is on disk before the listener acks the message to the broker
+        super().__init__(Path(path) if path else default_path(), synchronous="FULL", threads=threads,
+                         fix="move it aside (rename it) or pass --db with another path")
 
     # ---- writes (each one transaction) ---------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edgetune.sqlite import DBForeign, DBFull
 from fleet import listener as listener_mod
 from fleet.commands import describe_progress, new_command, progress_parts
 from fleet.ingest import ingest, record_uid
@@ -272,7 +273,7 @@ def test_a_failed_db_write_is_not_acked_and_arrives_again(mosquitto, db, monkeyp
     def flaky(store, topic, payload, retained=False, now=None):
         if topic.endswith("tuning/record") and not failures:
             failures.append(topic)
-            raise sqlite3.OperationalError("database or disk is full")
+            raise DBFull("database or disk is full", Path(db))
         return real(store, topic, payload, retained, now)
 
     monkeypatch.setattr(listener_mod, "ingest", flaky)
@@ -504,9 +505,7 @@ def test_schema_is_versioned_and_foreign_files_are_refused(tmp_path):
         assert s.schema_version == 1
     foreign = tmp_path / "foreign.db"
     sqlite3.connect(foreign).execute("CREATE TABLE x (y)").connection.commit()
-    from fleet.store import FleetDBError
-
-    with pytest.raises(FleetDBError):
+    with pytest.raises(DBForeign, match="not an edgetune fleet DB"):
         FleetStore(foreign)
     assert geomean([2.0, 0.5]) == pytest.approx(1.0) and geomean([]) is None
 

@@ -21,7 +21,8 @@ from kernels.measure import Measurement
 from kernels.registry import get_spec
 from kernels.space import config_key
 from kernels.spec import C_DIR
-from tuner.db import DBError, ResultsDB
+from edgetune.sqlite import DBError
+from tuner.db import ResultsDB
 from tuner.grammar import GrammarError, export_grammar, validate
 from tuner.session import Budget, Session, result_key
 from tuner.strategies import Anneal, Exhaustive, RandomSearch, make_strategy

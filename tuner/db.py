@@ -6,7 +6,6 @@ Sessions are journaled measurement by measurement, so a killed run resumes where
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from edgetune import paths
-from edgetune.errors import EdgetuneError
+from edgetune.sqlite import Schema, Store, move_aside
 from kernels.active import write_active
 
 APP_ID = 0x45544E31  # "ETN1" in PRAGMA application_id: tells our DB from a foreign SQLite file
@@ -52,20 +51,6 @@ MIGRATIONS: list[str] = [
 ]
 
 
-class DBError(EdgetuneError):
-    pass
-
-
-def _friendly(e: sqlite3.Error, path: Path) -> DBError:
-    msg = str(e)
-    if "full" in msg:
-        return DBError(f"disk full while writing results to {path}: the write was rolled back and the DB is intact; "
-                       "free some space and rerun (finished measurements are kept and will be reused)")
-    if "not a database" in msg or "malformed" in msg:
-        return DBError(f"results DB {path} is corrupt ({msg}); rerun with --reset to move it aside and start fresh")
-    return DBError(f"results DB {path}: {msg}")
-
-
 @dataclass(frozen=True)
 class SessionRow:
     id: int
@@ -76,87 +61,37 @@ class SessionRow:
     result: dict | None
 
 
-class ResultsDB:
-    def __init__(self, path: Path | None = None):
-        self.path = Path(path) if path else paths.state_dir() / "results.db"
-        try:
-            self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            self.conn.row_factory = sqlite3.Row
-            app_id = self.conn.execute("PRAGMA application_id").fetchone()[0]
-            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-            tables = self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-            if app_id != APP_ID and (tables or version):
-                raise DBError(f"{self.path} is not an edgetune results DB (foreign SQLite file); "
-                              "rerun with --reset to move it aside and start fresh")
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=NORMAL")
-            self._migrate(version)
-        except sqlite3.Error as e:
-            raise _friendly(e, self.path) from e
+RESET_FIX = "rerun with --reset to move it aside and start fresh"
 
-    def _migrate(self, version: int) -> None:
-        if version > len(MIGRATIONS):
-            raise DBError(f"{self.path} has schema v{version}, newer than this edgetune (v{len(MIGRATIONS)}); upgrade edgetune")
-        for v in range(version, len(MIGRATIONS)):
-            with self.tx():
-                for stmt in filter(str.strip, MIGRATIONS[v].split(";")):
-                    self.conn.execute(stmt)
-                self.conn.execute(f"PRAGMA user_version={v + 1}")
-                self.conn.execute(f"PRAGMA application_id={APP_ID}")
 
-    class _Tx:
-        def __init__(self, db: "ResultsDB"):
-            self.db = db
+def default_path() -> Path:
+    return paths.state_dir() / "results.db"
 
-        def __enter__(self) -> sqlite3.Connection:
-            self.db.conn.execute("BEGIN IMMEDIATE")
-            return self.db.conn
 
-        def __exit__(self, et: Any, e: Any, tb: Any) -> None:
-            if et is None:
-                try:
-                    self.db.conn.execute("COMMIT")
-                    return
-                except sqlite3.Error as ce:
-                    self._rollback()
-                    raise _friendly(ce, self.db.path) from ce
-            self._rollback()
-            if isinstance(e, sqlite3.Error):
-                raise _friendly(e, self.db.path) from e
+class ResultsDB(Store):
+    """The results DB. `fix` is what a corrupt or foreign file's error tells the user to do: the default names
+    the CLI's --reset; the daemon, which has no such option, passes its own."""
 
-        def _rollback(self) -> None:
-            if self.db.conn.in_transaction:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
-                self.db.conn.execute("ROLLBACK")
+    SCHEMA = Schema("results DB", APP_ID, tuple(MIGRATIONS))
 
-    def tx(self) -> "_Tx":
-        return ResultsDB._Tx(self)
-
-    def close(self) -> None:
-        self.conn.close()
+    def __init__(self, path: Path | None = None, *, fix: str = RESET_FIX):
+        super().__init__(Path(path) if path else default_path(), fix=fix,
+                         full_fix="free some space and rerun (finished measurements are kept and will be reused)")
 
     @staticmethod
     def reset(path: Path | None = None) -> Path | None:
         """Move a broken DB (and its WAL files) aside; never delete. Returns the new name."""
-        path = Path(path) if path else paths.state_dir() / "results.db"
-        if not path.exists():
-            return None
-        aside = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
-        for suffix in ("", "-wal", "-shm"):
-            src = Path(str(path) + suffix)
-            if src.exists():
-                os.replace(src, Path(str(aside) + suffix))
-        return aside
+        return move_aside(Path(path) if path else default_path())
 
     # ---- sessions ------------------------------------------------------------------------------------------
 
     def finished_session(self, key: str) -> SessionRow | None:
-        r = self.conn.execute("SELECT * FROM sessions WHERE key=? AND state='done' ORDER BY id DESC LIMIT 1",
-                              (key,)).fetchone()
+        r = self.query_one("SELECT * FROM sessions WHERE key=? AND state='done' ORDER BY id DESC LIMIT 1", (key,))
         return self._session(r) if r else None
 
     def running_session(self, key: str, params: dict) -> SessionRow | None:
-        r = self.conn.execute("SELECT * FROM sessions WHERE key=? AND state='running' AND params_json=? "
-                              "ORDER BY id DESC LIMIT 1", (key, json.dumps(params, sort_keys=True))).fetchone()
+        r = self.query_one("SELECT * FROM sessions WHERE key=? AND state='running' AND params_json=? "
+                           "ORDER BY id DESC LIMIT 1", (key, json.dumps(params, sort_keys=True)))
         return self._session(r) if r else None
 
     def open_session(self, key: str, fields: dict[str, Any], params: dict, origin: str) -> SessionRow:
@@ -176,12 +111,17 @@ class ResultsDB:
             c.execute("UPDATE sessions SET state=?, finished_at=?, result_json=? WHERE id=?",
                       (state, time.time(), json.dumps(result), session_id))
 
+    def ended_sessions(self) -> list[SessionRow]:
+        """Sessions that ended (done or failed), oldest first: what the daemon publishes as tuning records."""
+        return [self._session(r) for r in self.query("SELECT * FROM sessions WHERE state IN ('done', 'failed') "
+                                                      "ORDER BY id")]
+
     def _session(self, r: sqlite3.Row) -> SessionRow:
         return SessionRow(r["id"], r["key"], r["state"], json.loads(r["params_json"]), r["started_at"],
                           json.loads(r["result_json"]) if r["result_json"] else None)
 
     def session_info(self, session_id: int) -> dict:
-        r = self.conn.execute("SELECT * FROM sessions WHERE id=?", (session_id,)).fetchone()
+        r = self.query_one("SELECT * FROM sessions WHERE id=?", (session_id,))
         d = dict(r)
         d["shape"] = json.loads(d.pop("shape_json"))
         d["params"] = json.loads(d.pop("params_json"))
@@ -202,7 +142,7 @@ class ResultsDB:
 
     def measurements(self, session_id: int, phase: str | None = None) -> list[dict]:
         q = "SELECT * FROM measurements WHERE session_id=?" + (" AND phase=?" if phase else "") + " ORDER BY phase, seq"
-        rows = self.conn.execute(q, (session_id, phase) if phase else (session_id,)).fetchall()
+        rows = self.query(q, (session_id, phase) if phase else (session_id,))
         return [self._measurement(r) for r in rows]
 
     @staticmethod
@@ -215,7 +155,7 @@ class ResultsDB:
 
     def iter_records(self) -> Iterator[dict]:
         """Every finished or interrupted session with all its measurements: the training-data export."""
-        for r in self.conn.execute("SELECT id FROM sessions ORDER BY id").fetchall():
+        for r in self.query("SELECT id FROM sessions ORDER BY id"):
             info = self.session_info(r["id"])
             info["measurements"] = self.measurements(r["id"])
             yield info
