@@ -270,16 +270,16 @@ class FleetStore(Store):
         now = time.time() if now is None else now
         speedups: dict[str, list[float]] = {}
         tuned: dict[str, int] = {}
-        for r in self.conn.execute("SELECT device_id, speedup FROM active_configs"):
+        for r in self.query("SELECT device_id, speedup FROM active_configs"):
             tuned[r["device_id"]] = tuned.get(r["device_id"], 0) + 1
             if r["speedup"] is not None:
                 speedups.setdefault(r["device_id"], []).append(r["speedup"])
-        records = {r[0]: r[1] for r in self.conn.execute("SELECT device_id, count(*) FROM records GROUP BY device_id")}
-        telemetry = {r["device_id"]: r for r in self.conn.execute(
+        records = {r[0]: r[1] for r in self.query("SELECT device_id, count(*) FROM records GROUP BY device_id")}
+        telemetry = {r["device_id"]: r for r in self.query(
             "SELECT t.* FROM telemetry t JOIN (SELECT device_id, max(id) AS m FROM telemetry GROUP BY device_id) x"
             " ON t.id = x.m")}
         out = []
-        for d in self.conn.execute("SELECT * FROM devices ORDER BY id"):
+        for d in self.query("SELECT * FROM devices ORDER BY id"):
             t = telemetry.get(d["id"])
             out.append({
                 "id": d["id"], "state": d["state"], "online": d["state"] == "online",
@@ -300,7 +300,7 @@ class FleetStore(Store):
         return out
 
     def device(self, device: str) -> dict | None:
-        r = self.conn.execute("SELECT * FROM devices WHERE id=?", (device,)).fetchone()
+        r = self.query_one("SELECT * FROM devices WHERE id=?", (device,))
         if r is None:
             return None
         d = dict(r)
@@ -309,12 +309,11 @@ class FleetStore(Store):
         return d
 
     def active_configs(self, device: str) -> dict[str, dict]:
-        rows = self.conn.execute("SELECT slot, entry_json FROM active_configs WHERE device_id=? ORDER BY slot",
-                                 (device,))
+        rows = self.query("SELECT slot, entry_json FROM active_configs WHERE device_id=? ORDER BY slot", (device,))
         return {r["slot"]: json.loads(r["entry_json"]) for r in rows}
 
     def status_history(self, device: str) -> list[dict]:
-        return [dict(r) for r in self.conn.execute(
+        return [dict(r) for r in self.query(
             "SELECT state, session, version, ts, retained, received_at FROM status_history WHERE device_id=? ORDER BY id",
             (device,))]
 
@@ -322,7 +321,7 @@ class FleetStore(Store):
         """Record rows (metadata + the stored payload as `record`), in arrival order."""
         q = "SELECT * FROM records" + (" WHERE device_id=?" if device else "") + " ORDER BY id"
         out = []
-        for r in self.conn.execute(q, (device,) if device else ()):
+        for r in self.query(q, (device,) if device else ()):
             d = dict(r)
             d["record"] = json.loads(d.pop("payload_json"))
             out.append(d)
@@ -332,9 +331,9 @@ class FleetStore(Store):
         """Training data: each stored record as received, plus `device_id` and, when the record does not carry
         one, the `hw` descriptor its device reported under the record's hw_fingerprint."""
         descriptors = {r["hw_fingerprint"]: r["descriptor_json"] for r in
-                       self.conn.execute("SELECT hw_fingerprint, descriptor_json FROM hw_descriptors")}
+                       self.query("SELECT hw_fingerprint, descriptor_json FROM hw_descriptors")}
         q = "SELECT device_id, hw_fingerprint, payload_json FROM records" + (" WHERE device_id=?" if device else "")
-        for r in self.conn.execute(q + " ORDER BY id", (device,) if device else ()):
+        for r in self.conn.execute(q + " ORDER BY id", (device,) if device else ()):  # streamed: exports are big
             rec = json.loads(r["payload_json"])
             rec.setdefault("device_id", r["device_id"])
             if "hw" not in rec and r["hw_fingerprint"] in descriptors:
@@ -342,12 +341,12 @@ class FleetStore(Store):
             yield rec
 
     def telemetry(self, device: str) -> list[dict]:
-        return [dict(r) for r in self.conn.execute(
+        return [dict(r) for r in self.query(
             "SELECT boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss, state, received_at"
             " FROM telemetry WHERE device_id=? ORDER BY id", (device,))]
 
     def command(self, device: str, cmd_id: str) -> dict | None:
-        r = self.conn.execute("SELECT * FROM commands WHERE device_id=? AND id=?", (device, cmd_id)).fetchone()
+        r = self.query_one("SELECT * FROM commands WHERE device_id=? AND id=?", (device, cmd_id))
         if r is None:
             return None
         d = dict(r)
@@ -356,14 +355,14 @@ class FleetStore(Store):
         d["responses"] = [
             {"status": x["status"], "progress": _loads(x["progress_json"]), "reason": x["reason"],
              "result": _loads(x["result_json"]), "received_at": x["received_at"]}
-            for x in self.conn.execute("SELECT * FROM command_responses WHERE device_id=? AND command_id=? ORDER BY id",
-                                       (device, cmd_id))]
+            for x in self.query("SELECT * FROM command_responses WHERE device_id=? AND command_id=? ORDER BY id",
+                                (device, cmd_id))]
         return d
 
     def commands(self, device: str) -> list[dict]:
         """The device's commands in the order first seen, each with its newest status."""
         out = []
-        for r in self.conn.execute("SELECT * FROM commands WHERE device_id=? ORDER BY rowid", (device,)):
+        for r in self.query("SELECT * FROM commands WHERE device_id=? ORDER BY rowid", (device,)):
             d = dict(r)
             for k in ("args", "progress", "result"):
                 d[k] = _loads(d.pop(f"{k}_json"))
@@ -371,10 +370,10 @@ class FleetStore(Store):
         return out
 
     def malformed(self) -> list[dict]:
-        return [dict(r) for r in self.conn.execute(
+        return [dict(r) for r in self.query(
             "SELECT device_id, topic, error, payload_bytes, received_at FROM malformed ORDER BY id")]
 
     def counts(self) -> dict[str, int]:
-        return {t: self.conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in (
+        return {t: self.query_one(f"SELECT count(*) FROM {t}")[0] for t in (
             "devices", "status_history", "active_configs", "records", "telemetry", "commands", "command_responses",
             "malformed")}

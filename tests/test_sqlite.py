@@ -224,15 +224,11 @@ def test_daemon_db_adopts_a_file_of_the_unversioned_daemon(tmp_path):
     from daemon.store import DaemonStore, Journal
 
     p = tmp_path / "daemon.db"
-    with sqlite3.connect(p) as c:  # what DaemonStore and the command journal created before daemon.db had a version
-        c.executescript("""
-            CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-            CREATE TABLE IF NOT EXISTS published_records (record_id TEXT PRIMARY KEY, session_id INTEGER NOT NULL,
-                                                          ts REAL NOT NULL);
-            CREATE TABLE IF NOT EXISTS commands (
-                id TEXT PRIMARY KEY, op TEXT, args_json TEXT, origin TEXT NOT NULL, status TEXT NOT NULL,
-                response_json TEXT NOT NULL, received_at REAL NOT NULL, updated_at REAL NOT NULL);
-        """)
+    with sqlite3.connect(p) as c:
+        # v1 is the DDL the unversioned DaemonStore and command journal ran; run bare (no user_version, no
+        # application_id) it makes the file an old daemon left behind
+        for stmt in filter(str.strip, DaemonStore.SCHEMA.migrations[0].split(";")):
+            c.execute(stmt.replace("IF NOT EXISTS ", ""))
         c.execute("INSERT INTO kv VALUES ('session', '41')")
         c.execute("INSERT INTO published_records VALUES ('rec-1', 3, 0)")
         c.execute("INSERT INTO commands VALUES ('c1', 'ping', 'null', 'fleet', 'accepted', ?, 1, 1)",
