@@ -79,9 +79,11 @@ class Evaluator(Protocol):
     def space(self) -> SearchSpace:
         """The configs this evaluator can answer: what a strategy searches."""
 
-    def evaluate(self, configs: list[Config], *, prebuild: Iterable[Config] = ()) -> list[Measurement]:
+    def evaluate(self, configs: list[Config], *, prebuild: Iterable[Config] = (),
+                 record: Record | None = None) -> list[Measurement]:
         """One measurement per config, in order; a config that cannot run is a failed measurement. `prebuild`
-        configs are only built (a batch the caller will measure later)."""
+        configs are only built (a batch the caller will measure later); `record` is called after each
+        measurement (its index in `configs`), so a journal loses at most the one in flight."""
 
     def interleave(self, configs: list[Config], rounds: int, *, seed: int | str = 0, done: int = 0,
                    record: Record | None = None) -> Rounds:
@@ -112,10 +114,16 @@ class _Timed:
                 record(pos, configs[j], m)
         return Rounds(per)
 
-    def evaluate(self, configs: list[Config], *, prebuild: Iterable[Config] = ()) -> list[Measurement]:
+    def evaluate(self, configs: list[Config], *, prebuild: Iterable[Config] = (),
+                 record: Record | None = None) -> list[Measurement]:
         keys = {config_key(c) for c in configs}
         extra = [c for c in prebuild if config_key(c) not in keys]
-        return [run() for run in self._prepare(list(configs) + extra)[:len(configs)]]
+        out = []
+        for i, run in enumerate(self._prepare(list(configs) + extra)[:len(configs)]):
+            out.append(run())
+            if record:
+                record(i, configs[i], out[-1])
+        return out
 
     def _prepare(self, configs: list[Config]) -> list[Callable[[], Measurement]]:
         raise NotImplementedError
@@ -138,11 +146,18 @@ class Measured(_Timed):
     def space(self) -> SearchSpace:
         return self.spec.space(self.shape, self.hw)
 
+    # config key -> its build or CompileError: each config is built once per evaluator (and, shared through
+    # dataclasses.replace, once for every shape of a shape-generic batch)
+    builds: dict[str, Any] = field(default_factory=dict)
+
     def _prepare(self, configs: list[Config]) -> list[Callable[[], Measurement]]:
-        t0 = time.perf_counter()
-        builds = build_many(self.spec, configs, self.hw, shape=self.shape if self.bake else None)
-        self._add("compile_s", t0)
-        return [lambda b=b: self._run(b) for b in builds]
+        todo = list({config_key(c): c for c in configs if config_key(c) not in self.builds}.values())
+        if todo:
+            t0 = time.perf_counter()
+            got = build_many(self.spec, todo, self.hw, shape=self.shape if self.bake else None)
+            self.builds.update(zip(map(config_key, todo), got))
+            self._add("compile_s", t0)
+        return [lambda b=self.builds[config_key(c)]: self._run(b) for c in configs]
 
     def _run(self, b: Any) -> Measurement:
         if isinstance(b, CompileError):

@@ -202,11 +202,13 @@ class Session:
                 todo.append(i)
         if todo:
             compiled = ev.timing.get("compile_s", 0.0)
-            ms = ev.evaluate([cfgs[i] for i in todo], prebuild=prebuild)
-            compile_s = (ev.timing.get("compile_s", 0.0) - compiled) / len(todo)
-            for i, m in zip(todo, ms):
-                self.db.add_measurement(session_id, "search", seq0 + i, cfgs[i], config_key(cfgs[i]), m, compile_s)
-                out[i] = (cfgs[i], m)
+
+            def record(n: int, cfg: Config, m: Measurement) -> None:
+                compile_s = (ev.timing.get("compile_s", 0.0) - compiled) / len(todo)  # the batch's, shared
+                self.db.add_measurement(session_id, "search", seq0 + todo[n], cfg, config_key(cfg), m, compile_s)
+                out[todo[n]] = (cfg, m)
+
+            ev.evaluate([cfgs[i] for i in todo], prebuild=prebuild, record=record)
         return [o for o in out if o is not None]
 
     def remeasure(self, spec: KernelSpec, wl: Workload, cfgs: list[Config], session_id: int, phase: str,

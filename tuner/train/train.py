@@ -386,8 +386,7 @@ def refresh_card(out_dir: Path, data: list[Path], name: str = MODEL_NAME) -> dic
     return card
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tuner.train", description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", action="append", help=f"collector JSONL(.gz) (default: {D.DEFAULT_DATA})")
     ap.add_argument("--records", action="append", default=[], help="results DB or JSONL records to add")
     ap.add_argument("--no-base", action="store_true",
@@ -398,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-minutes", type=float, default=30.0,
                     help="safety net: stop training after this long (the card records the steps done)")
     ap.add_argument("--card-only", action="store_true", help="only re-evaluate the held-out metrics of --out's model")
-    a = ap.parse_args(argv)
+
+
+def cmd_train(a: argparse.Namespace) -> int:
     data, records = D.base_sources(a.data, a.no_base)
     if a.card_only:
         refresh_card(Path(a.out), data)
@@ -406,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     recipe = Recipe(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Recipe)})
     run(data, records + [Path(p) for p in a.records], Path(a.out), recipe, deadline_s=a.max_minutes * 60)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edgetune.main import run_module
+
+    return run_module("python -m tuner.train", __doc__.split("\n\n")[0], add_arguments, cmd_train, argv)
 
 
 if __name__ == "__main__":
