@@ -50,6 +50,9 @@ def test_budget_finals_and_cache(hw):
     assert r.ms == best and r.default_ms == table[config_key(space.valid_default())].ms
     assert r.speedup == pytest.approx(r.default_ms / r.ms)
     assert s.db.active_entry("gemm", SMALL.name)["config"] == r.config
+    key = s.db.finished_session(r.key).result_key  # the typed key, stored with the session
+    assert key.digest() == r.key and (key.kernel, key.workload, key.shape) == ("gemm", SMALL.name, SMALL.shape)
+    assert (key.hw_fingerprint, key.strategy, key.objective) == (hw.hw_fingerprint, "random", "latency")
     again = s.tune(GEMM, SMALL, strategy="random", budget=Budget(evals=10, patience=None))
     assert again.cached and again.session_id == r.session_id
 
