@@ -146,4 +146,4 @@ def test_interleave_is_shuffled_rounds_and_same_round_ratios(hw):
     assert plan != list(range(len(cfgs))) * 3  # not a fixed order
     assert got.ratios_to(0) == [pytest.approx(table[config_key(c)].ms / table[config_key(cfgs[0])].ms) for c in cfgs]
     resumed = Replay(universe=universe, table=table).interleave(cfgs, 3, seed=7, done=5)
-    assert sum(map(len, resumed.per)) == len(plan) - 5
+    assert sum(m.ok for ms in resumed.per for m in ms) == len(plan) - 5 and all(len(ms) == 3 for ms in resumed.per)

@@ -282,8 +282,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             kernel, workload = slot.split("/", 1)
             spec = get_spec(kernel)
             wl = resolve(spec, workload, None)
-            m = session.remeasure(spec, wl, [e["config"]], e["session_id"], "verify", rounds=2)[0] \
-                if e.get("session_id") else Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner).evaluate([e["config"]])[0]
+            if e.get("session_id"):
+                m = session.remeasure(spec, wl, [e["config"]], e["session_id"], "verify", rounds=2)[0]
+            else:  # a pin made before any tuning has no session to journal under
+                m = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner).evaluate([e["config"]])[0]
             drift = (m.ms - e["ms"]) / e["ms"] if m.ok and e.get("ms") else None
             rows.append({"kernel": kernel, "workload": workload, "config": e["config"], "stored_ms": e.get("ms"),
                          "now_ms": m.ms, "drift": drift, "ok": m.ok, "reason": m.reason,

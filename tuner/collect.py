@@ -27,7 +27,6 @@ import dataclasses
 import gzip
 import hashlib
 import json
-import math
 import os
 import random
 import sys
@@ -363,7 +362,8 @@ def confirm_leaders(j: Journal, specs: list[KernelSpec], isas: list[str], top: i
                     t = time.time()
 
                     def record(_: int, c: Config, m: Measurement, name=name, shape=shape, lid=lid) -> None:
-                        j.append(_measure_row(spec, isa, name, shape, "train", c, m, "confirm", None) | {"leaders": lid})
+                        row = _measure_row(spec, isa, name, shape, "train", c, m, "confirm", None)
+                        j.append(row | {"leaders": lid})
 
                     _evaluator(spec, shape, hw, runner, min_time_s, max_reps).interleave(
                         leaders, rounds, seed=f"{seed}:{spec.name}:{isa}:{sk}", done=done, record=record)

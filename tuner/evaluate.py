@@ -8,9 +8,10 @@ benches run unchanged on either, and the session's logic is testable without a c
 Interleaving is one protocol: every round measures each config once, in a seeded shuffled order, so drift and
 bursts of load hit every config alike and no config always runs first. A config is then judged by its median over
 the rounds, or by its median same-round ratio to a reference (`Rounds.ratios_to`), the least noisy comparison this
-shared host allows: the best-known config measured against itself came within 5% on 69 of 72 held-out cases with
-same-round ratios in shuffled rounds, and on 58 of 72 with the former fixed-order rounds and a ratio of medians
-(bench/compare_tuners.py).
+shared host allows (its speed drifts by up to ~40% within minutes): the best-known config measured against itself
+(bench/compare_tuners.py's control) came within 5% on 69 of 72 held-out cases with same-round ratios over 7
+shuffled rounds (load 0.1-0.4; a ratio of median ms over 3 of those same rounds gave 60), and on 58 of 72 with 3
+rounds in a fixed order and a ratio of median ms (load 0.7-1.7).
 """
 
 from __future__ import annotations
@@ -88,14 +89,17 @@ class Evaluator(Protocol):
     def interleave(self, configs: list[Config], rounds: int, *, seed: int | str = 0, done: int = 0,
                    record: Record | None = None) -> Rounds:
         """`rounds` shuffled rounds (`interleave_plan`); the first `done` plan positions were measured before and
-        are skipped (their rounds stay empty); `record` is called after each new measurement."""
+        are skipped (failed measurements in their rounds); `record` is called after each new measurement."""
 
     def ort_ms(self) -> float | None:
         """The ONNX twin on the same inputs, when this evaluator can run it."""
 
 
 @dataclass
-class _Timed:
+class _Batches:
+    """`evaluate` and `interleave` on top of `_prepare`, the one part an implementation supplies: a batch of
+    configs made runnable (built, or looked up), one measuring call each."""
+
     timing: dict[str, float] = field(default_factory=lambda: {"compile_s": 0.0, "measure_s": 0.0})
 
     def _add(self, what: str, t0: float) -> None:
@@ -106,11 +110,10 @@ class _Timed:
         runs = self._prepare(configs)
         per: list[list[Measurement]] = [[] for _ in configs]
         for pos, j in enumerate(interleave_plan(len(configs), rounds, seed)):
-            if pos < done:
-                continue
-            m = runs[j]()
+            # a position measured by an earlier run keeps its round's place, so rounds stay aligned across configs
+            m = runs[j]() if pos >= done else Measurement.failed("measured before this run")
             per[j].append(m)
-            if record:
+            if record and pos >= done:
                 record(pos, configs[j], m)
         return Rounds(per)
 
@@ -130,7 +133,7 @@ class _Timed:
 
 
 @dataclass(kw_only=True)
-class Measured(_Timed):
+class Measured(_Batches):
     """Real measurement: build the batch in parallel, run each build in the worker, score it by the objective."""
 
     spec: KernelSpec
@@ -180,7 +183,7 @@ class Measured(_Timed):
 
 
 @dataclass(kw_only=True)
-class Replay(_Timed):
+class Replay(_Batches):
     """Answers from a recorded table (config key -> measurement): no compiler, no worker. A config outside the
     table is a failed measurement ("not in the recorded table"); every round of an interleave returns the
     recorded measurement again."""

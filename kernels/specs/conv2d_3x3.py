@@ -61,7 +61,8 @@ def _synthetic(rng: random.Random) -> dict:
     """A seeded edge-range shape for the collector: 7-112 px feature maps, RGB or 8-256 channels."""
     hw_ = logu(rng, 7, 112)
     return {"H": hw_, "W": rng.choice([hw_, logu(rng, 5, 112)]),
-            "Cin": rng.choice([1, 3, round_to(logu(rng, 8, 256), 8)]), "Cout": round_to(logu(rng, 8, 256), 8), "stride": rng.choice([1, 1, 2])}
+            "Cin": rng.choice([1, 3, round_to(logu(rng, 8, 256), 8)]), "Cout": round_to(logu(rng, 8, 256), 8),
+            "stride": rng.choice([1, 1, 2])}
 
 
 SPEC = KernelSpec(
