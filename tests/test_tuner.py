@@ -22,9 +22,9 @@ from kernels.registry import get_spec
 from kernels.space import config_key
 from kernels.spec import C_DIR
 from tuner.db import DBError, ResultsDB
+from tuner.evaluate import interleave_plan
 from tuner.grammar import GrammarError, export_grammar, validate
 from tuner.resultkey import ResultKey, result_key
-from tuner.evaluate import interleave_plan
 from tuner.session import Budget, Session, interleave_seed
 from tuner.strategies import Anneal, Exhaustive, RandomSearch, make_strategy
 
