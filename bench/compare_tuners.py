@@ -43,9 +43,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.measure import Measurement  # noqa: E402
 from kernels.registry import all_specs  # noqa: E402
-from kernels.space import Config, Constraint, SearchSpace, config_key  # noqa: E402
+from kernels.space import Config, config_key  # noqa: E402
+from tuner.evaluate import Measured, Replay, TableSpace  # noqa: E402
 from tuner.train import data as D  # noqa: E402
 from tuner.train.data import HwView as _HwView  # noqa: E402  (torch-free)
 
@@ -69,51 +69,19 @@ def recorded_compile_s(path: Path) -> dict[tuple[str, str], float]:
 
 # ---- the replay universe ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TableSpace(SearchSpace):
-    """A SearchSpace whose valid configs are exactly a case's reference table."""
-
-    table: tuple = ()
-
-    def _keys(self) -> set:
-        return {config_key(c) for c in self.table}
-
-    def enumerate(self):
-        yield from (dict(c) for c in self.table)
-
-    def sample(self, n: int, rng: random.Random, exclude: set[str] | None = None) -> list[Config]:
-        pool = [c for c in self.table if config_key(c) not in (exclude or set())]
-        rng.shuffle(pool)
-        return [dict(c) for c in pool[:n]]
-
-    def neighbours(self, cfg: Config) -> list[Config]:
-        """Table configs at the smallest knob distance from cfg (one step when the table has them)."""
-        ds = [(self.distance(cfg, c), c) for c in self.table if config_key(c) != config_key(cfg)]
-        if not ds:
-            return []
-        dmin = min(d for d, _ in ds)
-        return [dict(c) for d, c in ds if d == dmin]
-
-    def valid_default(self) -> Config:
-        return min(self.table, key=lambda c: self.distance(c, self.default))
-
-
-def case_space(case: D.Case) -> tuple[TableSpace, dict[str, float]]:
+def case_replay(case: D.Case) -> Replay:
+    """The case's reference table as a replay evaluator, over the table's own configs as the search space."""
     spec = all_specs()[case.kernel]
-    hw = _HwView(case.hw)
     table = case.table()
-    cfgs = tuple(case.configs[k] for k in table)
-    pred = D.table_predicate([p.name for p in spec.params], cfgs)
-    base = spec.space(case.shape, hw)
-    sp = TableSpace(base.params, base.constraints + (Constraint("in the replay table", lambda c, s, h: pred(c)),),
-                    base.default, base.shape, hw, cfgs)
-    return sp, table
+    universe = TableSpace.over(spec.space(case.shape, _HwView(case.hw)), (case.configs[k] for k in table))
+    return Replay.of_ms(universe, table)
 
 
 # ---- strategies as replay drivers -------------------------------------------------------------------------
 
-def run_askteller(strat, table: dict[str, float], budget: int, batch: int = 2) -> list[float]:
-    """Drive an ask/tell strategy; returns the recorded ms of each distinct config evaluated, in order."""
+def run_askteller(strat, ev: Replay, budget: int, batch: int = 2) -> list[float]:
+    """Drive an ask/tell strategy; returns the recorded ms of each distinct config evaluated, in order (a config
+    outside the table is told as failed and is no evaluation)."""
     out, seen = [], set()
     stalls = 0
     while len(out) < budget and stalls < 3:
@@ -121,30 +89,27 @@ def run_askteller(strat, table: dict[str, float], budget: int, batch: int = 2) -
         if not asked:
             stalls += 1
             continue
-        for c in asked:
-            k = config_key(c)
-            ms = table.get(k)
-            m = Measurement(ok=True, ms=ms) if ms is not None else Measurement.failed("not in table")
+        for c, m in zip(asked, ev.evaluate(asked)):
             strat.tell(c, m)
-            if k not in seen and ms is not None:
-                seen.add(k)
-                out.append(ms)
+            if config_key(c) not in seen and m.ok:
+                seen.add(config_key(c))
+                out.append(m.ms)
     return out
 
 
-def run_builtin(name: str, space: TableSpace, table: dict, budget: int, seed: int) -> tuple[list[float], float]:
+def run_builtin(name: str, ev: Replay, budget: int, seed: int) -> tuple[list[float], float]:
     from tuner.strategies import Anneal, RandomSearch
 
     cls = {"random": RandomSearch, "anneal": Anneal}[name]
-    return run_askteller(cls(space, seed), table, budget), 0.0
+    return run_askteller(cls(ev.space(), seed), ev, budget), 0.0
 
 
-def run_llm(space: TableSpace, table: dict, budget: int, seed: int, kernel: str, proposer) -> tuple[list[float], float]:
+def run_llm(ev: Replay, budget: int, seed: int, kernel: str, proposer) -> tuple[list[float], float]:
     from tuner.llm import LLMStrategy
 
-    s = LLMStrategy(space, seed, kernel=kernel, proposer=proposer, refine_patience=budget)
+    s = LLMStrategy(ev.space(), seed, kernel=kernel, proposer=proposer, refine_patience=budget)
     # the proposer sees the table through the space's constraints (prefix-pruned), like every other strategy
-    traj = run_askteller(s, table, budget, batch=5)
+    traj = run_askteller(s, ev, budget, batch=5)
     return traj, (s.latency_ms or 0.0) / 1e3
 
 
@@ -153,7 +118,7 @@ def project(space: TableSpace, cfg: Config) -> Config:
     return min(space.table, key=lambda c: space.distance(c, cfg))
 
 
-def run_optuna(space: TableSpace, table: dict, budget: int, seed: int) -> tuple[list[float], float]:
+def run_optuna(ev: Replay, budget: int, seed: int) -> tuple[list[float], float]:
     """Optuna TPE over the knobs as categoricals; a suggestion outside the table is projected onto the nearest
     table config, whose time is told back for the suggested params."""
     import optuna
@@ -161,21 +126,22 @@ def run_optuna(space: TableSpace, table: dict, budget: int, seed: int) -> tuple[
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
+    space = ev.space()
     out, seen = [], set()
     for _ in range(budget * 10):
-        if len(out) >= budget or len(seen) == len(table):
+        if len(out) >= budget or len(seen) == len(ev.table):
             break
         t = study.ask()
         cfg = project(space, {p.name: t.suggest_categorical(p.name, list(p.values)) for p in space.params})
-        k = config_key(cfg)
-        study.tell(t, table[k])
+        k, ms = config_key(cfg), ev.evaluate([cfg])[0].ms
+        study.tell(t, ms)
         if k not in seen:
             seen.add(k)
-            out.append(table[k])
+            out.append(ms)
     return out, 0.0
 
 
-def run_opentuner(space: TableSpace, table: dict, budget: int, seed: int) -> tuple[list[float], float]:
+def run_opentuner(ev: Replay, budget: int, seed: int) -> tuple[list[float], float]:
     import logging
 
     import opentuner  # noqa: F401
@@ -186,6 +152,7 @@ def run_opentuner(space: TableSpace, table: dict, budget: int, seed: int) -> tup
 
     logging.getLogger("opentuner").setLevel(logging.ERROR)
     random.seed(seed)
+    space = ev.space()
     man = ConfigurationManipulator()
     for p in space.params:
         man.add_parameter(EnumParameter(p.name, [str(v) for v in p.values]))
@@ -206,7 +173,7 @@ def run_opentuner(space: TableSpace, table: dict, budget: int, seed: int) -> tup
                 continue
             raw = dr.configuration.data
             cfg = project(space, {p.name: p.coerce(raw[p.name]) for p in space.params})
-            ms = table.get(config_key(cfg))
+            ms = ev.evaluate([cfg])[0].ms
             api.report_result(dr, Result(time=ms))
             if ms is not None and config_key(cfg) not in seen:
                 seen.add(config_key(cfg))
@@ -221,7 +188,7 @@ def _opentuner_args():
     return default_argparser().parse_args([])
 
 
-def run_kernel_tuner(space: TableSpace, table: dict, budget: int, seed: int,
+def run_kernel_tuner(ev: Replay, budget: int, seed: int,
                      strategy: str = "bayes_opt") -> tuple[list[float], float]:
     """Kernel Tuner's own simulation mode: a cache file holding the table, `tune_cache` with one strategy."""
     import contextlib
@@ -230,6 +197,8 @@ def run_kernel_tuner(space: TableSpace, table: dict, budget: int, seed: int,
     import numpy as np
     from kernel_tuner import tune_cache
 
+    space = ev.space()
+    table = {k: m.ms for k, m in ev.table.items()}
     names = [p.name for p in space.params]
     cache = {}
     for c in space.table:
@@ -305,23 +274,23 @@ def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, 
         proposer = load_proposer(model)
     per: dict[str, list[dict]] = {s: [] for s in strategies}
     for case in cases:
-        space, table = case_space(case)
-        best = min(table.values())
+        ev = case_replay(case)
+        best = min(m.ms for m in ev.table.values())
         per_compile = compile_s[(case.kernel, case.isa)]
         for name in strategies:
             for seed in range(1 if name in ("llm", "opentuner") else seeds):  # llm is deterministic; opentuner slow
                 t0 = time.perf_counter()
                 try:
                     if name == "llm":
-                        traj, model_s = run_llm(space, table, budget, seed, case.kernel, proposer)
+                        traj, model_s = run_llm(ev, budget, seed, case.kernel, proposer)
                     elif name in ("random", "anneal"):
-                        traj, model_s = run_builtin(name, space, table, budget, seed)
+                        traj, model_s = run_builtin(name, ev, budget, seed)
                     elif name == "optuna-tpe":
-                        traj, model_s = run_optuna(space, table, budget, seed)
+                        traj, model_s = run_optuna(ev, budget, seed)
                     elif name == "opentuner":
-                        traj, model_s = run_opentuner(space, table, budget, seed)
+                        traj, model_s = run_opentuner(ev, budget, seed)
                     elif name.startswith("kerneltuner-"):
-                        traj, model_s = run_kernel_tuner(space, table, budget, seed, name.split("-", 1)[1])
+                        traj, model_s = run_kernel_tuner(ev, budget, seed, name.split("-", 1)[1])
                     else:
                         raise ValueError(name)
                 except Exception as e:  # a peer failing on one case must not sink the comparison
@@ -341,35 +310,9 @@ def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, 
 
 # ---- real run ---------------------------------------------------------------------------------------------
 
-def ratios_to_first(runner, spec, shape: dict, hw, cfgs: list[Config], rounds: int = 7,
-                    seed: int = 0) -> tuple[list[float | None], float | None]:
-    """Each config's speed relative to cfgs[0], and cfgs[0]'s median ms, from `rounds` rounds that measure every
-    config once in a seeded shuffled order. A config's ratio is the median over rounds of its ms over cfgs[0]'s ms
-    in the same round: on this shared host the speed drifts by up to ~40% within minutes, and one measurement
-    disagrees with a re-measurement of the same binary by more than 5% a third of the time, so only same-round
-    ratios (no order bias, outliers voted down) can judge a 5% margin. The best-known config measured against itself
-    came within 5% on 58 of the 72 held-out cases with the former protocol (3 rounds in a fixed order, ratio of
-    median ms; load 0.7-1.7), and on 69 of 72 with this one (load 0.1-0.4; a ratio of median ms over 3 of those
-    same rounds gave 60)."""
-    from kernels.build import CompileError, build_many
-
-    builds = build_many(spec, cfgs, hw, shape=shape)
-    rng = random.Random(seed)
-    times: list[list[float | None]] = [[] for _ in cfgs]
-    for _ in range(rounds):
-        for j in rng.sample(range(len(cfgs)), len(cfgs)):
-            if isinstance(builds[j], CompileError):
-                times[j].append(None)
-                continue
-            m = runner.measure(spec, shape, builds[j].path, min_time_s=0.02, max_reps=15, timeout_s=20)
-            times[j].append(m.ms if m.ok else None)
-    ref = times[0]
-    ratios = []
-    for t in times:
-        paired = [a / b for a, b in zip(t, ref) if a and b]
-        ratios.append(statistics.median(paired) if paired else None)
-    ok_ref = [b for b in ref if b]
-    return ratios, (statistics.median(ok_ref) if ok_ref else None)
+def measured(runner, spec, shape: dict, hw) -> Measured:
+    """The bench's real measurements: the collector's timing budget."""
+    return Measured(spec=spec, shape=shape, hw=hw, runner=runner, min_time_s=0.02, max_reps=15, timeout_s=20)
 
 
 def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
@@ -387,8 +330,7 @@ def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
         os.environ["CACHE_DIRECTORY"] = str(Path(td) / "cache")  # cold build cache: compile time is real
         db = ResultsDB(Path(td) / "bench.db")
         hw = probe(measure_bandwidth=False)
-        sess = Session(db, runner, hw)
-        sess._ort_ms = lambda spec, wl: None  # the ONNX twin is not part of tuning time
+        sess = Session(db, runner, hw, ort_twin=False)  # the ONNX twin is not part of tuning time
         for case in chosen:
             spec = specs[case.kernel]
             wl = next((w for w in spec.workloads if w.shape == case.shape), None)
@@ -404,9 +346,8 @@ def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
                 wall = time.perf_counter() - t0
                 # the winner against the best-known config, both measured now: the recorded best-known ms
                 # is from collection time, and host_factor says how much slower the machine is at the moment
-                (_, ratio), ref_ms = ratios_to_first(runner, spec, case.shape, hw,
-                                                     [case.ranked()[0][0], res.config])
-                ratio = ratio or float("inf")
+                got = measured(runner, spec, case.shape, hw).interleave([case.ranked()[0][0], res.config], 7)
+                ratio, ref_ms = got.ratios_to(0)[1] or float("inf"), got.median_ms(0)
                 host = ref_ms / case.best_ms() if ref_ms else float("nan")
                 rows.append({"kernel": case.kernel, "workload": case.workload, "strategy": name,
                              "wall_s": wall, "evals": res.evals, "ms": res.ms, "best_known_ms": case.best_ms(),
@@ -423,14 +364,15 @@ def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
 def measure_lists(runner, spec, case: D.Case, hw, lists: dict[str, list[Config]], rounds: int = 7,
                   seed: int = 0) -> tuple[dict[str, list[float | None]], float | None, float | None]:
     """Each list's configs as same-round ratios to the case's best-known config, the control, and the best-known's
-    median ms now. Every distinct config of all lists is measured once per round (`ratios_to_first`), so lists
+    median ms now. Every distinct config of all lists is measured once per round (`Evaluator.interleave`), so lists
     that share a config share its measurement, and all lists are judged on the same rounds. The control is the
     best-known config measured again as if proposed: its share within 5% is the ceiling this host's noise leaves."""
     ref = case.ranked()[0][0]
     keys = list(dict.fromkeys(config_key(c) for cs in lists.values() for c in cs if config_key(c) != config_key(ref)))
     by_key = {config_key(c): c for cs in lists.values() for c in cs}
     cfgs = [ref] + [by_key[k] for k in keys] + [ref]
-    ratios, ref_ms = ratios_to_first(runner, spec, case.shape, hw, cfgs, rounds, seed=seed)
+    got = measured(runner, spec, case.shape, hw).interleave(cfgs, rounds, seed=seed)
+    ratios, ref_ms = got.ratios_to(0), got.median_ms(0)
     of = dict(zip([config_key(ref)] + keys, ratios[:-1]))
     return {name: [of[config_key(c)] for c in cs] for name, cs in lists.items()}, ratios[-1], ref_ms
 

@@ -16,6 +16,7 @@ the session's policy with a 95% interval over cases.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -48,8 +49,9 @@ POLICY_ROUNDS = 1 + max(len(fws) for _, fws, _ in POLICIES.values())  # a search
 
 def collect(rounds: int) -> list[dict]:
     from hwprobe import probe
-    from kernels.build import CompileError, build_many
+    from kernels.build import CompileError
     from kernels.worker import Runner
+    from tuner.evaluate import Measured
     from tuner.llm import LLMStrategy, load_proposer
 
     _, held = D.split_cases(D.load_collector(D.DEFAULT_DATA))
@@ -63,17 +65,22 @@ def collect(rounds: int) -> list[dict]:
             top = LLMStrategy(space, kernel=case.kernel, proposer=prop, k=5).ask(5)[:5]
             default = space.valid_default()
             cfgs = list({config_key(c): c for c in [*top, case.ranked()[0][0], default]}.values())
-            builds = build_many(spec, cfgs, hw, shape=case.shape)
+            ev = Measured(spec=spec, shape=case.shape, hw=hw, runner=runner)
+            ev.evaluate([], prebuild=cfgs)
+            broken = {j for j, c in enumerate(cfgs) if isinstance(ev.builds[config_key(c)], CompileError)}
+            evs = [dataclasses.replace(ev, min_time_s=w) for w in WINDOWS]  # sharing ev's builds
             rng = random.Random(i)
             ms = [[[None] * len(WINDOWS) for _ in range(rounds)] for _ in cfgs]
             cost: dict[float, list[float]] = {w: [] for w in WINDOWS}
             for r in range(rounds):
+                # the interleave protocol, each config once per round in a shuffled order, at every window in a
+                # shuffled order of its own
                 for j in rng.sample(range(len(cfgs)), len(cfgs)):
-                    if isinstance(builds[j], CompileError):
+                    if j in broken:
                         continue
                     for k in rng.sample(range(len(WINDOWS)), len(WINDOWS)):
                         t = time.perf_counter()
-                        m = runner.measure(spec, case.shape, builds[j].path, min_time_s=WINDOWS[k])
+                        m = evs[k].evaluate([cfgs[j]])[0]
                         cost[WINDOWS[k]].append(time.perf_counter() - t)
                         ms[j][r][k] = m.ms if m.ok else None
             out.append({"kernel": case.kernel, "isa": case.isa, "workload": case.workload, "shape": case.shape,

@@ -14,13 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-
 from hwprobe import probe  # noqa: E402
-from kernels.build import CompileError, build_many  # noqa: E402
-from kernels.ort_twin import run_ort  # noqa: E402
 from kernels.registry import all_specs  # noqa: E402
 from kernels.worker import Runner  # noqa: E402
+from tuner.evaluate import Measured  # noqa: E402
 
 
 def main() -> None:
@@ -38,14 +35,12 @@ def main() -> None:
             if args.kernel and spec.name not in args.kernel:
                 continue
             for wl in spec.workloads:
-                space = spec.space(wl.shape, hw)
-                default = space.valid_default()
-                cfgs = [default] + space.sample(args.random, random.Random(0))
-                builds = build_many(spec, cfgs, hw, shape=wl.shape)
-                ms = [runner.measure(spec, wl.shape, b.path).ms if not isinstance(b, CompileError) else None
-                      for b in builds]
+                ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner)
+                space = ev.space()
+                cfgs = [space.valid_default()] + space.sample(args.random, random.Random(0))
+                ms = [m.ms if m.ok else None for m in ev.evaluate(cfgs)]
                 ok = [m for m in ms[1:] if m is not None]
-                ort = run_ort(spec, wl.shape, spec.make_inputs(wl.shape, np.random.default_rng(0)), threads=hw.cores).ms
+                ort = ev.ort_ms()
                 best = min(ok + [ms[0]])
                 print(f"{spec.name + '/' + wl.name:42} {ms[0]:10.4f} {best:10.4f} {ort:9.4f} {ms[0] / ort:8.2f} "
                       f"{best / ort:9.2f} {best / ms[0]:8.2f} {os.getloadavg()[0]:5.2f}", flush=True)

@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hwprobe import probe  # noqa: E402
-from kernels.build import build  # noqa: E402
 from kernels.registry import get_spec  # noqa: E402
 from kernels.worker import Runner  # noqa: E402
+from tuner.evaluate import Measured  # noqa: E402
 
 
 def _hog(stop) -> None:
@@ -27,8 +27,8 @@ def _hog(stop) -> None:
             x += 1
 
 
-def _series(runner: Runner, spec, shape, so, runs: int) -> dict:
-    ms = [runner.measure(spec, shape, so) for _ in range(runs)]
+def _series(ev: Measured, cfg: dict, runs: int) -> dict:
+    ms = ev.evaluate([cfg] * runs)
     est = [m.ms for m in ms]
     return {"median_ms": statistics.median(est), "between_runs_cv": statistics.pstdev(est) / statistics.fmean(est),
             "within_run_cv": statistics.median(m.cv for m in ms), "reps_used": statistics.median(m.reps_used for m in ms),
@@ -46,15 +46,17 @@ def main() -> None:
     hw = probe(measure_bandwidth=False)
     spec = get_spec(args.kernel)
     wl = spec.workload(args.workload)
-    so = build(spec, spec.space(wl.shape, hw).valid_default(), hw, shape=wl.shape).path
     with Runner() as runner:
-        quiet = _series(runner, spec, wl.shape, so, args.runs)
+        ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner)
+        cfg = ev.space().valid_default()
+        ev.evaluate([], prebuild=[cfg])  # built before the quiet series, so neither series times the compiler
+        quiet = _series(ev, cfg, args.runs)
         stop = mp.Event()
         hogs = [mp.Process(target=_hog, args=(stop,), daemon=True) for _ in range(args.hogs)]
         for h in hogs:
             h.start()
         try:
-            loaded = _series(runner, spec, wl.shape, so, args.runs)
+            loaded = _series(ev, cfg, args.runs)
         finally:
             stop.set()
             for h in hogs:

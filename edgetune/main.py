@@ -9,6 +9,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import Callable
 
 from edgetune import __version__
 from edgetune.errors import EdgetuneError
@@ -41,11 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _run(args: argparse.Namespace) -> int:
+    """Run a parsed verb: logging as asked, an EdgetuneError as its message and exit code."""
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -56,6 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _run(build_parser().parse_args(argv))
+
+
+def run_module(prog: str, description: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+               func: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
+    """A developer tool that is not a verb (`python -m tuner.collect`), parsed and run as the verbs are."""
+    parser = _Parser(prog=prog, description=description)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    add_arguments(parser)
+    parser.set_defaults(func=func)
+    return _run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

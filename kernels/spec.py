@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -74,6 +75,9 @@ class KernelSpec:
     # instantiates only that case (measured: a stride-specialised dwconv compiles in 0.54-0.59x the time, conv2d
     # in 0.8-0.9x); builds meant for many shapes (the collector) leave them out
     baked_dims: tuple[str, ...] = ()
+    # a seeded shape spanning the kernel's edge ranges (the collector's synthetic shapes; checked by
+    # validate_shape, so it may return an invalid one now and then)
+    synthetic: Callable[[random.Random], dict] | None = None
 
     def space(self, shape: Shape, hw: Any) -> SearchSpace:
         generic = (threads_need_work(self.flops),) if any(p.name == "threads" for p in self.params) else ()

@@ -23,8 +23,10 @@ from kernels.space import config_key
 from kernels.spec import C_DIR
 from edgetune.sqlite import DBError
 from tuner.db import ResultsDB
+from tuner.evaluate import interleave_plan
 from tuner.grammar import GrammarError, export_grammar, validate
-from tuner.session import Budget, Session, result_key
+from tuner.resultkey import ResultKey, result_key
+from tuner.session import Budget, Session, interleave_seed
 from tuner.strategies import Anneal, Exhaustive, RandomSearch, make_strategy
 
 GEMM = get_spec("gemm")
@@ -195,8 +197,10 @@ def test_final_figures_pool_the_search_measurement_with_the_rounds(hw, runner):
                                                prior=[prior, Measurement.failed("crashed")])
     rounds = [m["stats"]["ms"] for m in db.measurements(r.session_id, "verify")]
     assert len(rounds) == 4  # the prior is pooled, not recorded again as a round
-    assert pooled[0].ms == statistics.median([1e6, *rounds[0::2]]) == max(rounds[0::2])
-    assert pooled[1].ms == statistics.median(rounds[1::2])  # the failed prior is left out
+    order = interleave_plan(2, 2, interleave_seed(r.session_id, "verify"))  # the config each journaled round measured
+    first, second = ([ms for ms, j in zip(rounds, order) if j == i] for i in (0, 1))
+    assert pooled[0].ms == statistics.median([1e6, *first]) == max(first)
+    assert pooled[1].ms == statistics.median(second)  # the failed prior is left out
 
 
 def test_budget_and_cache(hw, runner):
@@ -327,9 +331,7 @@ def test_foreign_sqlite_db_is_refused(tmp_path):
 
 def test_full_disk_keeps_db_intact(hw):
     db = ResultsDB()
-    sid = db.open_session("k", {"kernel": "gemm", "workload": "w", "shape": {}, "hw_fingerprint": "h",
-                                "fw_fingerprint": "f", "source_hash": "s", "isa": "i", "compiler_id": "c",
-                                "strategy": "random", "strategy_version": "1"}, {}, "test").id
+    sid = db.open_session(ResultKey("gemm", "s", "w", "{}", "h", "i", "c", "random", "1"), "f", {}, "test").id
     db.add_measurement(sid, "search", 0, {"a": 1}, "a=1", Measurement(ok=True, ms=1.0), None)
     pages = db.conn.execute("PRAGMA page_count").fetchone()[0]
     db.conn.execute(f"PRAGMA max_page_count={pages}")

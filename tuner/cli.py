@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +12,15 @@ from edgetune.config import OBJECTIVES, config_files, load_or_raise
 from edgetune.errors import BadInput, EdgetuneError
 from hwprobe.power import meter_from_config
 from edgetune.output import console, emit, fmt, json_flag, progress, table
-from kernels.build import build
 from kernels.measure import TIE_THRESHOLD
 from kernels.registry import all_specs, get_spec
 from kernels.space import config_from_json, format_config
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
 from kernels.workloads import resolve
+from tuner import active
 from tuner.db import ResultsDB
+from tuner.evaluate import Measured
 from tuner.export import to_c_header
 from tuner.objective import Objective
 from tuner.session import Budget, Session
@@ -246,18 +246,10 @@ def cmd_pin(args: argparse.Namespace) -> int:
     cfg = spec.space(wl.shape, hw).validate(config_from_json(args.config, "config"))
     db = ResultsDB()
     with Runner() as runner:
-        m = runner.measure(spec, wl.shape, build(spec, cfg, hw, shape=wl.shape).path)
+        m = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner).evaluate([cfg])[0]
     if not m.ok:
         raise EdgetuneError(f"pinned config fails on this device: {m.reason}")
-    old = db.active_entry(spec.name, wl.name)
-    entry = {"config": cfg, "ms": m.ms, "default_ms": old.get("default_ms") if old else None,
-             "speedup": (old["default_ms"] / m.ms) if old and old.get("default_ms") else None,
-             "evals": 0, "tuning_s": 0.0, "strategy": "pinned", "shape": wl.shape, "ort_ms": old and old.get("ort_ms"),
-             "tuned_at": time.time(), "hw_fingerprint": hw.hw_fingerprint,
-             "fw_fingerprint": hw.fw_fingerprint, "isa": hw.isa,
-             "tuned_entry": (old.get("tuned_entry") if old and old.get("pinned") else
-                             {k: v for k, v in old.items() if k != "pinned"} if old else None)}
-    db.set_active(spec.name, wl.name, entry, pinned=True)
+    active.pin(db, spec, wl, cfg, m, hw)
     out = {"kernel": spec.name, "workload": wl.name, "config": cfg, "ms": m.ms}
     emit(out, args.json, lambda d: print(f"pinned {d['kernel']}/{d['workload']}: {format_config(d['config'])} "
                                          f"({d['ms']:.4f} ms)"))
@@ -267,7 +259,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 def cmd_unpin(args: argparse.Namespace) -> int:
     if args.kernel:
         get_spec(args.kernel)
-    n = ResultsDB().unpin(args.kernel, args.workload)
+    n = active.unpin(ResultsDB(), args.kernel, args.workload)
     emit({"unpinned": n}, args.json, lambda d: print(f"unpinned {d['unpinned']} config(s)"))
     return 0
 
@@ -275,23 +267,25 @@ def cmd_unpin(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     db = ResultsDB()
     hw = _hw(args.isa)
-    active = db.active()
+    slots = db.active()
     if args.kernel:
         spec = get_spec(args.kernel)
         if args.workload or args.shape:
             wl = resolve(spec, args.workload, args.shape)
-            active = {k: v for k, v in active.items() if k == f"{spec.name}/{wl.name}"}
+            slots = {k: v for k, v in slots.items() if k == f"{spec.name}/{wl.name}"}
         else:
-            active = {k: v for k, v in active.items() if k.startswith(spec.name + "/")}
+            slots = {k: v for k, v in slots.items() if k.startswith(spec.name + "/")}
     rows = []
     with Runner() as runner:
         session = Session(db, runner, hw)
-        for slot, e in active.items():
+        for slot, e in slots.items():
             kernel, workload = slot.split("/", 1)
             spec = get_spec(kernel)
             wl = resolve(spec, workload, None)
-            m = session.remeasure(spec, wl, [e["config"]], e.get("session_id") or 0, "verify", rounds=2)[0] \
-                if e.get("session_id") else runner.measure(spec, wl.shape, build(spec, e["config"], hw, shape=wl.shape).path)
+            if e.get("session_id"):
+                m = session.remeasure(spec, wl, [e["config"]], e["session_id"], "verify", rounds=2)[0]
+            else:  # a pin made before any tuning has no session to journal under
+                m = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner).evaluate([e["config"]])[0]
             drift = (m.ms - e["ms"]) / e["ms"] if m.ok and e.get("ms") else None
             rows.append({"kernel": kernel, "workload": workload, "config": e["config"], "stored_ms": e.get("ms"),
                          "now_ms": m.ms, "drift": drift, "ok": m.ok, "reason": m.reason,

@@ -23,10 +23,10 @@ Each line carries the full stats (every rep's wall time, CV, estimator, context 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import hashlib
 import json
-import math
 import os
 import random
 import sys
@@ -34,12 +34,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from kernels.build import CompileError, build_many
+from edgetune.errors import BadInput
 from kernels.measure import Measurement
-from kernels.registry import all_specs
+from kernels.registry import all_specs, get_spec
 from kernels.space import Config, config_key
 from kernels.spec import KernelSpec
 from kernels.worker import Runner
+from tuner.evaluate import Measured
 
 ISAS = ("x86-64-v4", "x86-64-v3", "x86-64-v2")
 FORMAT = "edgetune-runs-1"
@@ -51,48 +52,18 @@ def shape_key(shape: dict) -> str:
 
 # ---- shapes ------------------------------------------------------------------------------------------------
 
-def _logu(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
-
-
-def _round(v: int, m: int) -> int:
-    return max(m, int(round(v / m)) * m)
-
-
-def _synthetic(spec: KernelSpec, rng: random.Random) -> dict:
-    n = spec.name
-    if n == "gemm":
-        return {"M": rng.choice([1, 16, _logu(rng, 8, 4096), _logu(rng, 49, 3136), _logu(rng, 49, 3136)]),
-                "N": _round(_logu(rng, 8, 512), rng.choice([4, 8, 16])), "K": _round(_logu(rng, 8, 1024), 8)}
-    if n == "conv2d_3x3":
-        hw_ = _logu(rng, 7, 112)
-        return {"H": hw_, "W": rng.choice([hw_, _logu(rng, 5, 112)]), "Cin": rng.choice([1, 3, _round(_logu(rng, 8, 256), 8)]),
-                "Cout": _round(_logu(rng, 8, 256), 8), "stride": rng.choice([1, 1, 2])}
-    if n == "dwconv_3x3":
-        hw_ = _logu(rng, 5, 112)
-        return {"H": hw_, "W": rng.choice([hw_, _logu(rng, 5, 112)]), "C": _round(_logu(rng, 8, 576), 8),
-                "stride": rng.choice([1, 1, 2])}
-    if n == "logmel":
-        n_fft = rng.choice([256, 512, 1024])
-        return {"samples": rng.choice([4000, 8000, 16000, 24000, 32000, 48000]), "n_fft": n_fft,
-                "hop": _round(_logu(rng, 64, n_fft), 16), "mels": rng.choice([20, 32, 40, 64, 80, 128])}
-    if n == "conv1d":
-        return {"T": _logu(rng, 16, 400), "Cin": _round(_logu(rng, 8, 512), 8), "Cout": _round(_logu(rng, 8, 512), 4),
-                "K": rng.choice([1, 3, 3, 5, 7, 9]), "stride": rng.choice([1, 1, 2])}
-    if n == "gru":
-        return {"T": _logu(rng, 10, 200), "I": _round(_logu(rng, 16, 256), 8), "H": _round(_logu(rng, 16, 256), 8)}
-    raise ValueError(f"no synthetic shape generator for kernel {n}")
-
-
 def _draw_synthetic(spec: KernelSpec, rng: random.Random, n: int, seen: set[str],
                     max_mflop: float) -> list[tuple[str, dict]]:
-    """Up to `n` new (name, shape) synthetic shapes from `rng`, none in `seen` (which grows) nor over max_mflop."""
+    """Up to `n` new (name, shape) synthetic shapes from `rng` (the spec's own generator), none in `seen` (which
+    grows) nor over max_mflop."""
+    if spec.synthetic is None:
+        raise BadInput(f"kernel {spec.name} has no synthetic shape generator: set `synthetic` in its spec")
     out: list[tuple[str, dict]] = []
     for _ in range(10_000):
         if len(out) >= n:
             break
         try:
-            s = spec.validate_shape(_synthetic(spec, rng))
+            s = spec.validate_shape(spec.synthetic(rng))
         except Exception:
             continue
         if spec.flops(s) / 1e6 > max_mflop or shape_key(s) in seen:
@@ -222,6 +193,23 @@ def _measure_row(spec: KernelSpec, isa: str, name: str, shape: dict, split: str,
             "wall_ms": [round(w, 6) for w in m.wall_ms], "compile_s": compile_s, "ts": round(time.time(), 3)}
 
 
+def _evaluator(spec: KernelSpec, shape: dict, hw: Any, runner: Runner, min_time_s: float,
+               max_reps: int) -> Measured:
+    """The collector's measurements: shape-generic builds (one .so serves every shape), the run's timing budget."""
+    return Measured(spec=spec, shape=shape, hw=hw, runner=runner, min_time_s=min_time_s, max_reps=max_reps,
+                    timeout_s=20, bake=False)
+
+
+def _by_shape(todo: list[tuple]) -> list[tuple[tuple, list[Config]]]:
+    """The (name, shape, split, config) plan as consecutive runs of one shape: (name, shape, split), configs."""
+    out: list[tuple[tuple, list[Config]]] = []
+    for name, s, split, c in todo:
+        if not out or out[-1][0][1] != s:
+            out.append(((name, s, split), []))
+        out[-1][1].append(c)
+    return out
+
+
 def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_shapes: int, n_heldout: int,
             refine: int, refine_heldout: int, min_time_s: float, max_reps: int, seed: int,
             dry_run: bool = False, n_extra: int = 0, confirm_top: int = 0, confirm_rounds: int = 0) -> None:
@@ -261,19 +249,21 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
                 continue
             t = time.time()
             needed = list({config_key(c): c for *_, c in todo}.values())
-            builds = dict(zip((config_key(c) for c in needed), build_many(spec, needed, hw)))
-            compile_s = (time.time() - t) / max(1, len(needed))
-            print(f"    compiled {len(needed)} in {time.time() - t:.1f}s", flush=True)
-            t = time.time()
             with Runner(recycle_after=10**9) as runner:
-                for name, s, split, c in todo:  # shape-major: each shape's reference is computed once
-                    b = builds[config_key(c)]
-                    if isinstance(b, CompileError):
-                        m = Measurement.failed(f"compile error: {b}")
-                    else:
-                        m = runner.measure(spec, s, b.path, min_time_s=min_time_s, max_reps=max_reps, timeout_s=20)
-                    phase = "default" if c == spec.space(s, hw).valid_default() else "sample"
-                    j.append(_measure_row(spec, isa, name, s, split, c, m, phase, compile_s))
+                ev = _evaluator(spec, {}, hw, runner, min_time_s, max_reps)
+                ev.evaluate([], prebuild=needed)  # every config once, for every shape (no baked dims)
+                compile_s = ev.timing["compile_s"] / max(1, len(needed))
+                print(f"    compiled {len(needed)} in {time.time() - t:.1f}s", flush=True)
+                t = time.time()
+                for (name, s, split), cfgs in _by_shape(todo):  # shape-major: each reference is computed once
+                    default = spec.space(s, hw).valid_default()
+
+                    def record(_: int, c: Config, m: Measurement, name=name, s=s, split=split,
+                               default=default) -> None:
+                        phase = "default" if c == default else "sample"
+                        j.append(_measure_row(spec, isa, name, s, split, c, m, phase, compile_s))
+
+                    dataclasses.replace(ev, shape=s).evaluate(cfgs, record=record)  # ev's builds
             print(f"    measured {len(todo)} in {time.time() - t:.1f}s "
                   f"({(time.time() - t) / len(todo) * 1e3:.0f} ms each), load {os.getloadavg()[0]:.2f}", flush=True)
     if dry_run:
@@ -312,16 +302,17 @@ def refine_cases(j: Journal, specs: list[KernelSpec], isas: list[str], evals: di
                     strat.current = strat.best  # start at the best sampled config
                     n = done_refine
                     t = time.time()
+                    ev = _evaluator(spec, shape, hw, runner, min_time_s, max_reps)
+
+                    def record(_: int, c: Config, m: Measurement, name=name, shape=shape, split=split) -> None:
+                        j.append(_measure_row(spec, isa, name, shape, split, c, m, "refine", None))
+
                     while n < target:
                         asked = strat.ask(min(2, target - n))
                         if not asked:
                             break
-                        for c, b in zip(asked, build_many(spec, asked, hw)):
-                            m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError) else
-                                 runner.measure(spec, shape, b.path, min_time_s=min_time_s, max_reps=max_reps,
-                                                timeout_s=20))
+                        for c, m in zip(asked, ev.evaluate(asked, record=record)):
                             strat.tell(c, m)
-                            j.append(_measure_row(spec, isa, name, shape, split, c, m, "refine", None))
                             n += 1
                     print(f"[{time.strftime('%H:%M:%S')}] refine {spec.name} {isa} {name} ({split}): {n} evals in "
                           f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
@@ -365,21 +356,19 @@ def confirm_leaders(j: Journal, specs: list[KernelSpec], isas: list[str], top: i
                     leaders = [r["config"] for r in sorted(first.values(), key=lambda r: r["ms"])[:top]]
                     lid = leaders_id(config_key(c) for c in leaders)
                     done = confirmed_rows(rows, lid)
-                    rng = random.Random(f"{seed}:{spec.name}:{isa}:{sk}")
-                    plan = [c for _ in range(rounds) for c in rng.sample(leaders, len(leaders))]
-                    if done >= len(plan):
+                    if done >= rounds * len(leaders):
                         continue
                     shape, name = rows[0]["shape"], rows[0]["workload"]
-                    builds = dict(zip((config_key(c) for c in leaders), build_many(spec, leaders, hw)))
                     t = time.time()
-                    for c in plan[done:]:
-                        b = builds[config_key(c)]
-                        m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError) else
-                             runner.measure(spec, shape, b.path, min_time_s=min_time_s, max_reps=max_reps,
-                                            timeout_s=20))
+
+                    def record(_: int, c: Config, m: Measurement, name=name, shape=shape, lid=lid) -> None:
                         row = _measure_row(spec, isa, name, shape, "train", c, m, "confirm", None)
                         j.append(row | {"leaders": lid})
-                    print(f"[{time.strftime('%H:%M:%S')}] confirm {spec.name} {isa} {name}: {len(plan) - done} "
+
+                    _evaluator(spec, shape, hw, runner, min_time_s, max_reps).interleave(
+                        leaders, rounds, seed=f"{seed}:{spec.name}:{isa}:{sk}", done=done, record=record)
+                    print(f"[{time.strftime('%H:%M:%S')}] confirm {spec.name} {isa} {name}: "
+                          f"{rounds * len(leaders) - done} "
                           f"measurements in {time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
 
 
@@ -493,8 +482,7 @@ def dataset_hash(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tuner.collect", description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="quantized_models/data/runs.jsonl", help="JSONL journal (appended, resumable)")
     ap.add_argument("--kernel", action="append", help="only these kernels (default: all bundled)")
     ap.add_argument("--isa", action="append", help=f"ISA caps (default: {', '.join(ISAS)})")
@@ -515,14 +503,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="print the plan (measurement counts) only")
     ap.add_argument("--card", metavar="DATA", help="print the data card of a journal (.jsonl or .jsonl.gz) and exit")
-    a = ap.parse_args(argv)
+
+
+def cmd_collect(a: argparse.Namespace) -> int:
     if a.card:
         print(data_card(Path(a.card)))
         return 0
+    for k in a.kernel or []:
+        get_spec(k)  # BadInput names the bundled kernels
     collect(Path(a.out), a.kernel or [], a.isa or list(ISAS), a.configs, a.shapes, a.heldout, a.refine,
             a.refine_heldout, a.min_time, a.max_reps, a.seed, a.dry_run, a.extra_shapes,
             a.confirm_top, a.confirm_rounds)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edgetune.main import run_module
+
+    return run_module("python -m tuner.collect", __doc__.split("\n\n")[0], add_arguments, cmd_collect, argv)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from edgetune import paths
 from edgetune.sqlite import Schema, Store, move_aside
 from kernels.active import write_active
+from tuner.resultkey import ResultKey
 
 APP_ID = 0x45544E31  # "ETN1" in PRAGMA application_id: tells our DB from a foreign SQLite file
 MIGRATIONS: list[str] = [
@@ -48,6 +49,11 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (kernel, workload)
     );
     """,
+    # v2: the rest of the result key (tuner.resultkey.ResultKey) with each session
+    """
+    ALTER TABLE sessions ADD COLUMN objective TEXT NOT NULL DEFAULT 'latency';
+    ALTER TABLE sessions ADD COLUMN model_version TEXT
+    """,
 ]
 
 
@@ -59,6 +65,7 @@ class SessionRow:
     params: dict
     started_at: float
     result: dict | None
+    result_key: ResultKey | None = None
 
 
 RESET_FIX = "rerun with --reset to move it aside and start fresh"
@@ -94,17 +101,17 @@ class ResultsDB(Store):
                            "ORDER BY id DESC LIMIT 1", (key, json.dumps(params, sort_keys=True)))
         return self._session(r) if r else None
 
-    def open_session(self, key: str, fields: dict[str, Any], params: dict, origin: str) -> SessionRow:
+    def open_session(self, rkey: ResultKey, fw_fingerprint: str, params: dict, origin: str) -> SessionRow:
+        key = rkey.digest()
         with self.tx() as c:
             cur = c.execute(
                 "INSERT INTO sessions (key, kernel, workload, shape_json, hw_fingerprint, fw_fingerprint, source_hash,"
-                " isa, compiler_id, strategy, strategy_version, params_json, origin, state, started_at)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,'running',?)",
-                (key, fields["kernel"], fields["workload"], json.dumps(fields["shape"], sort_keys=True),
-                 fields["hw_fingerprint"], fields["fw_fingerprint"], fields["source_hash"], fields["isa"],
-                 fields["compiler_id"], fields["strategy"], fields["strategy_version"],
-                 json.dumps(params, sort_keys=True), origin, time.time()))
-        return SessionRow(cur.lastrowid, key, "running", params, time.time(), None)
+                " isa, compiler_id, strategy, strategy_version, objective, model_version, params_json, origin, state,"
+                " started_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,'running',?)",
+                (key, rkey.kernel, rkey.workload, rkey.shape_json, rkey.hw_fingerprint, fw_fingerprint,
+                 rkey.source_hash, rkey.isa, rkey.compiler_id, rkey.strategy, rkey.strategy_version, rkey.objective,
+                 rkey.model_version, json.dumps(params, sort_keys=True), origin, time.time()))
+        return SessionRow(cur.lastrowid, key, "running", params, time.time(), None, rkey)
 
     def finish_session(self, session_id: int, state: str, result: dict) -> None:
         with self.tx() as c:
@@ -117,8 +124,10 @@ class ResultsDB(Store):
                                                       "ORDER BY id")]
 
     def _session(self, r: sqlite3.Row) -> SessionRow:
+        rkey = ResultKey(r["kernel"], r["source_hash"], r["workload"], r["shape_json"], r["hw_fingerprint"], r["isa"],
+                         r["compiler_id"], r["strategy"], r["strategy_version"], r["objective"], r["model_version"])
         return SessionRow(r["id"], r["key"], r["state"], json.loads(r["params_json"]), r["started_at"],
-                          json.loads(r["result_json"]) if r["result_json"] else None)
+                          json.loads(r["result_json"]) if r["result_json"] else None, rkey)
 
     def session_info(self, session_id: int) -> dict:
         r = self.query_one("SELECT * FROM sessions WHERE id=?", (session_id,))
@@ -173,26 +182,10 @@ class ResultsDB(Store):
         write_active(self.active_document())
         return True
 
-    def unpin(self, kernel: str | None = None, workload: str | None = None) -> int:
-        """Drop pins (all, a kernel's, or one); the last tuned result for that slot becomes active again."""
-        where, args = "pinned=1", []
-        if kernel:
-            where += " AND kernel=?"
-            args.append(kernel)
-        if workload:
-            where += " AND workload=?"
-            args.append(workload)
+    def remove_active(self, kernel: str, workload: str) -> None:
         with self.tx() as c:
-            rows = c.execute(f"SELECT kernel, workload, entry_json FROM active WHERE {where}", args).fetchall()
-            for r in rows:
-                tuned = json.loads(r["entry_json"]).get("tuned_entry")
-                if tuned:
-                    c.execute("UPDATE active SET entry_json=?, pinned=0 WHERE kernel=? AND workload=?",
-                              (json.dumps(tuned), r["kernel"], r["workload"]))
-                else:
-                    c.execute("DELETE FROM active WHERE kernel=? AND workload=?", (r["kernel"], r["workload"]))
+            c.execute("DELETE FROM active WHERE kernel=? AND workload=?", (kernel, workload))
         write_active(self.active_document())
-        return len(rows)
 
     def active(self) -> dict[str, dict]:
         rows = self.conn.execute("SELECT * FROM active ORDER BY kernel, workload").fetchall()

@@ -71,14 +71,12 @@ class LLMStrategy(_Base):
     name = "llm"
 
     def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: str | None = None, k: int = DEFAULT_K,
-                 model_path: Path | None = None, proposer: Any = None, refine_patience: int = 2,
-                 extra: Any = None, pool: int = 1):
+                 model_path: Path | None = None, proposer: Any = None, refine_patience: int = 2, pool: int = 1):
         super().__init__(space, seed)
         self.k = k
         self.pool = pool  # the hedged top-K is drawn from the model's exact top-(k*pool)
         self.kernel = kernel or kernel_of(space)
         self.refine_patience = refine_patience
-        self.extra = extra  # optional predicate on (partial) configs, e.g. the bench's replay table
         self.fallback: Anneal | None = None
         self.proposer = None
         self.phase = "propose"
@@ -129,7 +127,7 @@ class LLMStrategy(_Base):
         from tuner.model.inference import ModelError
 
         try:
-            res = self.proposer.propose(self.kernel, self.space, k, extra=self.extra)
+            res = self.proposer.propose(self.kernel, self.space, k)
         except ModelError as e:
             self._fall_back(f"tuner model {self.proposer.m.path} failed while proposing: {e}")
             return []

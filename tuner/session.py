@@ -6,25 +6,22 @@ configs and takes the finished measurements from the DB instead of measuring the
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
-import numpy as np
-
 from edgetune.errors import EdgetuneError
-from kernels.build import CompileError, build_many
 from kernels.measure import TIE_THRESHOLD, Measurement, is_tie
 from kernels.space import Config, SearchSpace, config_key
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
+from tuner.active import activate
 from tuner.db import ResultsDB
+from tuner.evaluate import Evaluator, Measured
 from tuner.objective import Objective
+from tuner.resultkey import ResultKey
 from tuner.strategies import Strategy, make_strategy
 
 log = logging.getLogger(__name__)
@@ -89,22 +86,27 @@ class TuneResult:
 ProgressFn = Callable[[int, int, str], None]  # (evals done, eval budget, message)
 
 
-def result_key(spec: KernelSpec, wl: Workload, hw: Any, strategy: Strategy, objective: str = "latency") -> str:
-    """Helion-style cache key: kernel source hash + workload shape + hardware + isa + compiler + strategy version
-    (+ the objective, since an energy-tuned winner answers a different question)."""
-    parts = [spec.name, spec.source_hash(), wl.name, json.dumps(wl.shape, sort_keys=True), hw.hw_fingerprint, hw.isa,
-             hw.compiler.id, f"{strategy.name}-{strategy.version}", objective]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+EvaluatorFactory = Callable[[KernelSpec, Workload, Objective], Evaluator]
 
 
 class Session:
-    def __init__(self, db: ResultsDB, runner: Runner, hw: Any):
+    """Tunes on `evaluators(spec, workload, objective)`: by default real builds and the worker (`Measured`);
+    a `Replay` over a recorded table runs the same logic without a compiler."""
+
+    def __init__(self, db: ResultsDB, runner: Runner | None, hw: Any, *,
+                 evaluators: EvaluatorFactory | None = None, ort_twin: bool = True):
         self.db, self.runner, self.hw = db, runner, hw
+        self.evaluators = evaluators or self.measured
+        self.ort_twin = ort_twin  # measure the ONNX twin for `report` (a bench timing the tuning itself does not)
         self.timing: dict[str, float] = {}
+
+    def measured(self, spec: KernelSpec, wl: Workload, objective: Objective) -> Measured:
+        return Measured(spec=spec, shape=wl.shape, hw=self.hw, runner=self.runner, objective=objective,
+                        min_time_s=SEARCH_MIN_TIME_S)
 
     @contextmanager
     def _timed(self, what: str) -> Iterator[None]:
-        """Add the block's seconds to this run's `what` (compile_s, measure_s, strategy_s)."""
+        """Add the block's seconds to this run's `what` (strategy_s; the evaluator times compile_s, measure_s)."""
         t0 = time.perf_counter()
         try:
             yield
@@ -117,28 +119,27 @@ class Session:
              objective: Objective | None = None) -> TuneResult:
         budget = budget or Budget()
         objective = objective or Objective()
-        space = spec.space(wl.shape, self.hw)
+        ev = self.evaluators(spec, wl, objective)
+        space = ev.space()
         strat = strategy_obj or make_strategy(strategy, space, seed)
-        key = result_key(spec, wl, self.hw, strat, objective.name)
+        rkey = ResultKey.of(spec, wl, self.hw, strat.name, strat.version, objective.name,
+                            getattr(strat, "model_version", None))
+        key = rkey.digest()
         if not force:
             done = self.db.finished_session(key)
             if done and done.result:
                 res = TuneResult(**{**done.result, "cached": True})
-                self._activate(spec, wl, res)
+                activate(self.db, spec.name, wl.name, res.active_entry(), self.hw)
                 return res
         params = {"seed": seed, "evals": budget.evals, "seconds": budget.seconds, "patience": budget.patience}
         sess = None if force else self.db.running_session(key, params)
         if sess is None:
-            sess = self.db.open_session(key, {
-                "kernel": spec.name, "workload": wl.name, "shape": wl.shape, "hw_fingerprint": self.hw.hw_fingerprint,
-                "fw_fingerprint": self.hw.fw_fingerprint, "source_hash": spec.source_hash(), "isa": self.hw.isa,
-                "compiler_id": self.hw.compiler.id, "strategy": strat.name, "strategy_version": strat.version,
-            }, params, origin)
+            sess = self.db.open_session(rkey, self.hw.fw_fingerprint, params, origin)
         else:
             log.info("resuming session %d for %s/%s", sess.id, spec.name, wl.name)
         journal = {m["seq"]: m for m in self.db.measurements(sess.id, "search")}
         t0 = time.monotonic() - (self._elapsed(journal))
-        self.timing = {"compile_s": 0.0, "measure_s": 0.0, "strategy_s": 0.0}
+        self.timing = {"strategy_s": 0.0}
         evals: list[tuple[Config, Measurement]] = []
         batch = batch or max(1, self.hw.cores)
         best_ms, since_best = float("inf"), 0
@@ -155,7 +156,7 @@ class Session:
                 break
             # the first batch also builds the default, which the finals always re-measure: one compile round fewer
             prebuild = [] if evals else [space.valid_default()]
-            measured = self._measure_batch(spec, wl, sess.id, len(evals), asked, journal, objective, prebuild)
+            measured = self._measure_batch(ev, sess.id, len(evals), asked, journal, objective, prebuild)
             if objective.fallback_reason and not relearned:
                 # an energy run fell back to latency: rescore everything, re-teach a fresh strategy in ms
                 relearned = True
@@ -178,7 +179,7 @@ class Session:
                 if progress:
                     progress(len(evals), budget.evals, f"{spec.name}/{wl.name} best {best_ms:.4g} "
                                                        f"{'ms' if objective.active == 'latency' else objective.active}")
-        return self._finish(spec, wl, space, strat, sess.id, key, evals, t0, objective)
+        return self._finish(ev, spec, wl, space, strat, sess.id, key, evals, t0, objective)
 
     @staticmethod
     def _elapsed(journal: dict) -> float:
@@ -188,11 +189,9 @@ class Session:
         ts = [m["ts"] for m in journal.values()]
         return max(ts) - min(ts)
 
-    def _measure_batch(self, spec: KernelSpec, wl: Workload, session_id: int, seq0: int, cfgs: list[Config],
-                       journal: dict, objective: Objective,
-                       prebuild: list[Config] | None = None) -> list[tuple[Config, Measurement]]:
-        """Replay journaled measurements; compile the rest (and `prebuild`, built only) as one batch, then measure
-        them one by one."""
+    def _measure_batch(self, ev: Evaluator, session_id: int, seq0: int, cfgs: list[Config], journal: dict,
+                       objective: Objective, prebuild: list[Config]) -> list[tuple[Config, Measurement]]:
+        """Replay journaled measurements; evaluate the rest (building `prebuild` with them) and journal them."""
         out: list[tuple[Config, Measurement] | None] = [None] * len(cfgs)
         todo = []
         for i, cfg in enumerate(cfgs):
@@ -202,59 +201,34 @@ class Session:
             else:
                 todo.append(i)
         if todo:
-            t = time.perf_counter()
-            extra = [c for c in prebuild or [] if config_key(c) not in {config_key(cfgs[i]) for i in todo}]
-            with self._timed("compile_s"):
-                builds = build_many(spec, [cfgs[i] for i in todo] + extra, self.hw, shape=wl.shape)[:len(todo)]
-            compile_s = (time.perf_counter() - t) / len(todo)
-            for i, b in zip(todo, builds):
-                if isinstance(b, CompileError):
-                    m = Measurement.failed(f"compile error: {b}")
-                else:
-                    with self._timed("measure_s"):
-                        m = objective.score(self.runner.measure(
-                            spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s)))
-                self.db.add_measurement(session_id, "search", seq0 + i, cfgs[i], config_key(cfgs[i]), m, compile_s)
-                out[i] = (cfgs[i], m)
+            compiled = ev.timing.get("compile_s", 0.0)
+
+            def record(n: int, cfg: Config, m: Measurement) -> None:
+                compile_s = (ev.timing.get("compile_s", 0.0) - compiled) / len(todo)  # the batch's, shared
+                self.db.add_measurement(session_id, "search", seq0 + todo[n], cfg, config_key(cfg), m, compile_s)
+                out[todo[n]] = (cfg, m)
+
+            ev.evaluate([cfgs[i] for i in todo], prebuild=prebuild, record=record)
         return [o for o in out if o is not None]
 
     def remeasure(self, spec: KernelSpec, wl: Workload, cfgs: list[Config], session_id: int, phase: str,
                   rounds: int = FINAL_ROUNDS, objective: Objective | None = None,
-                  prior: list[Measurement | None] | None = None) -> list[Measurement]:
-        """Interleaved A B C A B C ... so drift and bursts of load hit every finalist alike; median per config,
-        over the rounds and the config's `prior` measurement from this session (same window), when it has one."""
+                  prior: list[Measurement | None] | None = None, evaluator: Evaluator | None = None
+                  ) -> list[Measurement]:
+        """Interleaved rounds (`Evaluator.interleave`), journaled under `phase`; median per config over the rounds
+        and the config's `prior` measurement from this session (same window), when it has one."""
         objective = objective or Objective()
-        with self._timed("compile_s"):
-            builds = build_many(spec, cfgs, self.hw, shape=wl.shape)
-        per: list[list[Measurement]] = [[p] if p is not None and p.ok else [] for p in prior or [None] * len(cfgs)]
-        seq = 0
-        for _ in range(rounds):
-            for i, (cfg, b) in enumerate(zip(cfgs, builds)):
-                with self._timed("measure_s"):
-                    m = (Measurement.failed(f"compile error: {b}") if isinstance(b, CompileError)
-                         else objective.score(self.runner.measure(
-                             spec, wl.shape, b.path, min_time_s=max(SEARCH_MIN_TIME_S, objective.min_time_s))))
-                self.db.add_measurement(session_id, phase, seq, cfg, config_key(cfg), m, None)
-                seq += 1
-                per[i].append(m)
-        out = []
-        for ms in per:
-            good = [m for m in ms if m.ok]
-            if not good:
-                out.append(ms[0])
-                continue
-            cvs = [m.cv for m in good if m.cv is not None]
-            energies = [m.energy_j for m in good if m.energy_j is not None]
-            merged = Measurement(ok=True, ms=statistics.median(m.ms for m in good),
-                                 cv=statistics.median(cvs) if cvs else None,
-                                 reps=sum(m.reps for m in good), reps_used=sum(m.reps_used for m in good),
-                                 estimator="median-of-interleaved", max_abs_err=max(m.max_abs_err or 0 for m in good),
-                                 load1=good[-1].load1, energy_j=statistics.median(energies) if energies else None)
-            out.append(objective.score(merged))
-        return out
+        ev = evaluator or self.evaluators(spec, wl, objective)
 
-    def _finish(self, spec: KernelSpec, wl: Workload, space: SearchSpace, strat: Strategy, session_id: int, key: str,
-                evals: list[tuple[Config, Measurement]], t0: float, objective: Objective) -> TuneResult:
+        def record(seq: int, cfg: Config, m: Measurement) -> None:
+            self.db.add_measurement(session_id, phase, seq, cfg, config_key(cfg), m, None)
+
+        got = ev.interleave(cfgs, rounds, seed=interleave_seed(session_id, phase), record=record)
+        return [objective.score(got.merged(i, p)) for i, p in enumerate(prior or [None] * len(cfgs))]
+
+    def _finish(self, ev: Evaluator, spec: KernelSpec, wl: Workload, space: SearchSpace, strat: Strategy,
+                session_id: int, key: str, evals: list[tuple[Config, Measurement]], t0: float,
+                objective: Objective) -> TuneResult:
         ok = sorted(((c, m) for c, m in evals if m.ok), key=lambda cm: cm[1].value)
         failed = sum(1 for _, m in evals if not m.ok)
         default = space.valid_default()
@@ -265,7 +239,7 @@ class Session:
         finalists = pick_finalists(ok, default)
         searched = {config_key(c): m for c, m in ok}
         final = self.remeasure(spec, wl, finalists, session_id, "final", objective=objective,
-                               prior=[searched.get(config_key(c)) for c in finalists])
+                               prior=[searched.get(config_key(c)) for c in finalists], evaluator=ev)
         if objective.fallback_reason:  # a finalist's window was refused: rank them all by latency
             for m in final:
                 m.score = m.ms
@@ -276,32 +250,28 @@ class Session:
             default_ms=dm.ms if dm else None, speedup=(dm.ms / wm.ms) if dm else None, evals=len(evals),
             tuning_s=time.monotonic() - t0, strategy=strat.name, session_id=session_id, key=key, failed=failed,
             strategy_version=strat.version, model_version=getattr(strat, "model_version", None),
-            ort_ms=self._ort_ms(spec, wl), objective=objective.active, objective_note=objective.fallback_reason,
+            ort_ms=self._ort_ms(ev, spec, wl), objective=objective.active, objective_note=objective.fallback_reason,
             energy_j=wm.energy_j, default_energy_j=dm.energy_j if dm else None,
-            timing={k: round(v, 3) for k, v in self.timing.items()},
+            timing={k: round(v, 3) for k, v in {**ev.timing, **self.timing}.items()},
         )
         self.db.finish_session(session_id, "done", res.to_dict())
-        self._activate(spec, wl, res)
+        activate(self.db, spec.name, wl.name, res.active_entry(), self.hw)
         return res
 
-    def _ort_ms(self, spec: KernelSpec, wl: Workload) -> float | None:
+    def _ort_ms(self, ev: Evaluator, spec: KernelSpec, wl: Workload) -> float | None:
         """The ONNX twin on the same inputs, so `report` can show tuned/ORT without re-measuring."""
+        if not self.ort_twin:
+            return None
         try:
-            from kernels.ort_twin import run_ort
-
-            return run_ort(spec, wl.shape, spec.make_inputs(wl.shape, np.random.default_rng(0)),
-                           threads=self.hw.cores, min_time_s=SEARCH_MIN_TIME_S).ms
+            return ev.ort_ms()
         except Exception as e:  # the twin is a peer, not a requirement for tuning
             log.warning("ORT twin of %s/%s failed: %s", spec.name, wl.name, e)
             return None
 
-    def _activate(self, spec: KernelSpec, wl: Workload, res: TuneResult) -> None:
-        entry = res.active_entry() | {"hw_fingerprint": self.hw.hw_fingerprint,
-                                      "fw_fingerprint": self.hw.fw_fingerprint, "isa": self.hw.isa}
-        if not self.db.set_active(spec.name, wl.name, entry):
-            pinned = {k: v for k, v in self.db.active_entry(spec.name, wl.name).items() if k != "pinned"}
-            pinned["tuned_entry"] = entry  # remembered, so unpin restores the tuned result
-            self.db.set_active(spec.name, wl.name, pinned, pinned=True)
+
+def interleave_seed(session_id: int, phase: str) -> str:
+    """The seed of a session's interleaved rounds under `phase`: fixed, so the journaled order can be read back."""
+    return f"{session_id}:{phase}"
 
 
 def pick_finalists(ok: list[tuple[Config, Measurement]], default: Config) -> list[Config]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 from typing import Any
 
 import numpy as np
@@ -57,3 +59,13 @@ def vector_registers(hw) -> int:
 def out_size(n: int, stride: int) -> int:
     """Output extent of a 3x3 window with pad 1: (n + 2 - 3) // stride + 1."""
     return (n - 1) // stride + 1
+
+
+def logu(rng: random.Random, lo: int, hi: int) -> int:
+    """A log-uniform integer in [lo, hi]: edge shapes span orders of magnitude (synthetic shapes)."""
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def round_to(v: int, m: int) -> int:
+    """v rounded to a multiple of m (at least m): channel counts as real layers have them."""
+    return max(m, int(round(v / m)) * m)

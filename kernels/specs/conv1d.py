@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
+from kernels.specs.common import logu, round_to
 
 
 def out_steps(s: dict) -> int:
@@ -52,6 +55,12 @@ def _shape_problems(s: dict) -> list[str]:
     if s["T"] + 2 * (s["K"] // 2) < s["K"]:
         return [f"T={s['T']} is too short for K={s['K']} with padding K//2"]
     return []
+
+
+def _synthetic(rng: random.Random) -> dict:
+    """A seeded edge-range shape for the collector: 16-400 frames, 8-512 channels, odd kernel widths."""
+    return {"T": logu(rng, 16, 400), "Cin": round_to(logu(rng, 8, 512), 8), "Cout": round_to(logu(rng, 8, 512), 4),
+            "K": rng.choice([1, 3, 3, 5, 7, 9]), "stride": rng.choice([1, 1, 2])}
 
 
 SPEC = KernelSpec(
@@ -104,4 +113,5 @@ SPEC = KernelSpec(
     rtol=1e-4,
     atol=1e-4,
     shape_problems=_shape_problems,
+    synthetic=_synthetic,
 )

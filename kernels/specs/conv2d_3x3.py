@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, const, onnx_model,
                                   out_size, rand, vector_registers)
+from kernels.specs.common import logu, round_to
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
@@ -52,6 +55,14 @@ def _flops(s: dict) -> float:
 def _bytes(s: dict) -> float:
     Ho, Wo = out_size(s["H"], s["stride"]), out_size(s["W"], s["stride"])
     return 4.0 * (s["H"] * s["W"] * s["Cin"] + 9 * s["Cin"] * s["Cout"] + Ho * Wo * s["Cout"])
+
+
+def _synthetic(rng: random.Random) -> dict:
+    """A seeded edge-range shape for the collector: 7-112 px feature maps, RGB or 8-256 channels."""
+    hw_ = logu(rng, 7, 112)
+    return {"H": hw_, "W": rng.choice([hw_, logu(rng, 5, 112)]),
+            "Cin": rng.choice([1, 3, round_to(logu(rng, 8, 256), 8)]), "Cout": round_to(logu(rng, 8, 256), 8),
+            "stride": rng.choice([1, 1, 2])}
 
 
 SPEC = KernelSpec(
@@ -105,4 +116,5 @@ SPEC = KernelSpec(
     bytes_moved=_bytes,
     rtol=1e-4,
     atol=1e-4,
+    synthetic=_synthetic,
 )

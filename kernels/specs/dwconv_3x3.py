@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, const, onnx_model,
                                   out_size, rand, vector_registers)
+from kernels.specs.common import logu, round_to
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
@@ -54,6 +57,13 @@ def _flops(s: dict) -> float:
 def _bytes(s: dict) -> float:
     Ho, Wo = out_size(s["H"], s["stride"]), out_size(s["W"], s["stride"])
     return 4.0 * (s["H"] * s["W"] * s["C"] + 9 * s["C"] + Ho * Wo * s["C"])
+
+
+def _synthetic(rng: random.Random) -> dict:
+    """A seeded edge-range shape for the collector: 5-112 px feature maps, 8-576 channels."""
+    hw_ = logu(rng, 5, 112)
+    return {"H": hw_, "W": rng.choice([hw_, logu(rng, 5, 112)]), "C": round_to(logu(rng, 8, 576), 8),
+            "stride": rng.choice([1, 1, 2])}
 
 
 SPEC = KernelSpec(
@@ -105,4 +115,5 @@ SPEC = KernelSpec(
     bytes_moved=_bytes,
     rtol=1e-4,
     atol=1e-4,
+    synthetic=_synthetic,
 )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from kernels.space import Constraint, enum, pow2
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
+from kernels.specs.common import logu, round_to
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
@@ -22,6 +25,12 @@ def _twin(s: dict) -> bytes:
 
     return onnx_model([helper.make_node("MatMul", ["A", "B"], ["C"])],
                       [("A", (s["M"], s["K"])), ("B", (s["K"], s["N"]))], [("C", (s["M"], s["N"]))])
+
+
+def _synthetic(rng: random.Random) -> dict:
+    """A seeded edge-range shape for the collector: fc layers (M=1, 16) and conv-as-gemm panels."""
+    return {"M": rng.choice([1, 16, logu(rng, 8, 4096), logu(rng, 49, 3136), logu(rng, 49, 3136)]),
+            "N": round_to(logu(rng, 8, 512), rng.choice([4, 8, 16])), "K": round_to(logu(rng, 8, 1024), 8)}
 
 
 SPEC = KernelSpec(
@@ -63,4 +72,5 @@ SPEC = KernelSpec(
     bytes_moved=lambda s: 4.0 * (s["M"] * s["K"] + s["K"] * s["N"] + s["M"] * s["N"]),
     rtol=1e-4,
     atol=1e-4,
+    synthetic=_synthetic,
 )

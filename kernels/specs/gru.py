@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
+from kernels.specs.common import logu, round_to
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
@@ -68,6 +71,11 @@ def _twin(s: dict) -> bytes:
                       [("Y", (T, H))], inits)
 
 
+def _synthetic(rng: random.Random) -> dict:
+    """A seeded edge-range shape for the collector: 10-200 steps, 16-256 inputs and hidden units."""
+    return {"T": logu(rng, 10, 200), "I": round_to(logu(rng, 16, 256), 8), "H": round_to(logu(rng, 16, 256), 8)}
+
+
 SPEC = KernelSpec(
     name="gru",
     domain="speech",
@@ -108,4 +116,5 @@ SPEC = KernelSpec(
     bytes_moved=lambda s: 4.0 * (s["T"] * s["I"] + 3 * s["H"] * (s["I"] + s["H"]) + 7 * s["H"] + s["T"] * s["H"]),
     rtol=1e-4,
     atol=1e-4,
+    synthetic=_synthetic,
 )

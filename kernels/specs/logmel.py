@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
+from kernels.specs.common import logu, round_to
 
 SAMPLE_RATE = 16000  # the filterbank's frequency axis; every workload is 16 kHz speech
 EPS = 1e-6
@@ -122,6 +125,13 @@ def _bytes(s: dict) -> float:
     return 4.0 * (s["samples"] + n + n + bins * s["mels"] + frames_of(s) * s["mels"])
 
 
+def _synthetic(rng: random.Random) -> dict:
+    """A seeded edge-range shape for the collector: 0.25-3 s of 16 kHz audio, common FFT sizes and mel counts."""
+    n_fft = rng.choice([256, 512, 1024])
+    return {"samples": rng.choice([4000, 8000, 16000, 24000, 32000, 48000]), "n_fft": n_fft,
+            "hop": round_to(logu(rng, 64, n_fft), 16), "mels": rng.choice([20, 32, 40, 64, 80, 128])}
+
+
 SPEC = KernelSpec(
     name="logmel",
     domain="speech",
@@ -170,4 +180,5 @@ SPEC = KernelSpec(
     rtol=1e-3,
     atol=1e-3,
     shape_problems=_shape_problems,
+    synthetic=_synthetic,
 )
