@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from daemon import control  # noqa: E402
-from edgetune.broker import BrokerSettings  # noqa: E402
 from daemon.mqtt import Link  # noqa: E402
 from daemon.outbox import Outbox  # noqa: E402
+from edgetune.broker import BrokerSettings  # noqa: E402
 from edgetune.protocol import Topics  # noqa: E402
 from tests.broker import Mosquitto  # noqa: E402
 

@@ -85,13 +85,17 @@ INFO = TopicSpec("info", DEVICE_TO_FLEET, True,
 CONFIG_ACTIVE = TopicSpec("config/active", DEVICE_TO_FLEET, True,
                           ("tuned_at", "hw_fingerprint", "fw_fingerprint", "model_version", "kernels"))
 TUNING_RECORD = TopicSpec("tuning/record", DEVICE_TO_FLEET, False,
-                          ("id", "kernel", "workload", "shape", "hw_fingerprint", "fw_fingerprint", "strategy",
-                           "state", "started_at", "result", "measurements"))
+                          ("record_id", "device_id", "id", "key", "kernel", "workload", "shape", "hw_fingerprint",
+                           "fw_fingerprint", "source_hash", "isa", "compiler_id", "strategy", "strategy_version",
+                           "params", "origin", "state", "started_at", "finished_at", "result", "hw", "model",
+                           "measurements"))
 TELEMETRY = TopicSpec("telemetry", DEVICE_TO_FLEET, False,
                       ("seq", "boot_id", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss",
                        "state"))
 CMD_REQ = TopicSpec("cmd/req", FLEET_TO_DEVICE, False, ("id", "op", "args", "expires_at"))
-CMD_RES = TopicSpec("cmd/res/{id}", DEVICE_TO_FLEET, False, ("id", "status", "progress", "reason", "result"))
+CMD_RES = TopicSpec("cmd/res/{id}", DEVICE_TO_FLEET, False,
+                    ("id", "op", "origin", "status", "progress", "reason", "result", "message", "ts",
+                     "request_sha256"))
 TOPICS = (STATUS, INFO, CONFIG_ACTIVE, TUNING_RECORD, TELEMETRY, CMD_REQ, CMD_RES)
 
 
@@ -111,6 +115,10 @@ def check_id(value: Any, what: str = "id") -> str:
 
 # ---- topics ------------------------------------------------------------------------------------------------------
 
+def _topic(spec: TopicSpec) -> property:
+    return property(lambda self: self.of(spec), doc=f"the {spec.sub} topic")
+
+
 @dataclass(frozen=True)
 class Topics:
     """The topics of one device, built from the specs above."""
@@ -129,29 +137,12 @@ class Topics:
             return f"{self.base}/{spec.stem}{command_id or INVALID_ID}"
         return f"{self.base}/{spec.sub}"
 
-    @property
-    def status(self) -> str:
-        return self.of(STATUS)
-
-    @property
-    def info(self) -> str:
-        return self.of(INFO)
-
-    @property
-    def config_active(self) -> str:
-        return self.of(CONFIG_ACTIVE)
-
-    @property
-    def record(self) -> str:
-        return self.of(TUNING_RECORD)
-
-    @property
-    def telemetry(self) -> str:
-        return self.of(TELEMETRY)
-
-    @property
-    def cmd_req(self) -> str:
-        return self.of(CMD_REQ)
+    status = _topic(STATUS)
+    info = _topic(INFO)
+    config_active = _topic(CONFIG_ACTIVE)
+    record = _topic(TUNING_RECORD)
+    telemetry = _topic(TELEMETRY)
+    cmd_req = _topic(CMD_REQ)
 
     def cmd_res(self, command_id: str | None) -> str:
         """cmd/res/{id}; a request without a usable id is answered on cmd/res/invalid."""

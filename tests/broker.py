@@ -133,3 +133,18 @@ class Mqtt311OnlyBroker:
         with self.got:
             assert self.got.wait_for(lambda: len(self.published) >= n, 30), self.published
             return [json.loads(p)["seq"] for _, p in self.published]
+
+
+def make_certs(tmp: Path) -> dict[str, Path]:
+    """A test CA, a server cert for 127.0.0.1 and a client cert, with the openssl CLI (EC keys: fast)."""
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=edgetune test CA")
+    (tmp / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
+        ssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=edgetune test {name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", *ext)
+    return {n: tmp / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}

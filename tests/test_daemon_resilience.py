@@ -14,7 +14,7 @@ from daemon.mqtt import Link
 from daemon.outbox import Outbox
 from edgetune.broker import BrokerSettings
 from edgetune.protocol import Topics
-from tests.broker import Mosquitto, Mqtt311OnlyBroker
+from tests.broker import Mosquitto, Mqtt311OnlyBroker, make_certs
 from tests.test_daemon_support import WORKLOAD_FC, WORKLOAD_PW4, Bus, DaemonProc, daemon_config
 
 DEV = "edgetune/v1/dev-test"
@@ -132,24 +132,9 @@ def test_full_outbox_drops_only_oldest_telemetry(tmp_path, mosquitto):
         fleet.close()
 
 
-def _certs(tmp: Path) -> dict[str, Path]:
-    """A test CA, a server cert for 127.0.0.1 and a client cert, with the openssl CLI (EC keys: fast)."""
-    def ssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=edgetune test CA")
-    (tmp / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
-        ssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=edgetune test {name}")
-        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.crt", "-days", "2", *ext)
-    return {n: tmp / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
-
-
 @pytest.fixture
 def tls_broker(tmp_path):
-    certs = _certs(tmp_path)
+    certs = make_certs(tmp_path)
     pw = tmp_path / "passwd"
     subprocess.run(["mosquitto_passwd", "-b", "-c", str(pw), "edge", "s3cret"], check=True, capture_output=True)
     b = Mosquitto(tmp_path / "broker", extra_conf=[
