@@ -127,8 +127,8 @@ class Message:
 class Connection:
     """The live connection, handed to the handler's callbacks; use it only inside them (the client's thread)."""
 
-    def __init__(self, client: paho.Client, protocol: str, receive_maximum: int):
-        self._c, self.protocol = client, protocol
+    def __init__(self, client: paho.Client, receive_maximum: int):
+        self._c = client
         self.window = min(MAX_INFLIGHT, receive_maximum)  # how many QoS 1 messages may be unacknowledged
 
     def publish(self, topic: str, payload: bytes, *, qos: int = QOS, retain: bool = False) -> int | None:
@@ -425,7 +425,7 @@ class Client:
         self.connected = True
         self.connects += 1
         self.last_error = None
-        self._conn = Connection(client, self.protocol, getattr(props, "ReceiveMaximum", MAX_INFLIGHT))
+        self._conn = Connection(client, getattr(props, "ReceiveMaximum", MAX_INFLIGHT))
         session = bool(getattr(flags, "session_present", False))
         log.info("mqtt: connected to %s (MQTT %s, session %s)", self.settings.label, self.protocol,
                  "resumed" if session else "new")

@@ -22,6 +22,7 @@ from typing import Any
 
 from edgetune.errors import BadInput, EdgetuneError
 from edgetune.output import console, emit, err_console, fmt, json_flag, table
+from edgetune.protocol import check_id
 from fleet.mqtt import add_broker_args, broker_settings
 from fleet.store import FleetStore, default_path
 
@@ -182,9 +183,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---- retune ----------------------------------------------------------------------------------------------------
 
 def cmd_retune(args: argparse.Namespace) -> int:
-    from fleet.commands import check_device_id, describe_progress, new_command, progress_parts, send_command
+    from fleet.commands import describe_progress, new_command, progress_parts, send_command
 
-    check_device_id(args.device)
+    check_id(args.device, "device id")
     if args.budget is not None and args.budget <= 0:
         raise BadInput(f"--budget {args.budget}: must be a positive number of evaluations")
     if args.timeout <= 0:

@@ -18,15 +18,10 @@ from typing import Any, Callable
 
 from edgetune.broker import BrokerError, BrokerSettings, Client, Connection, Handler, Message
 from edgetune.errors import BadInput
-from edgetune.protocol import COMMAND_STATES, OPS, TERMINAL_STATES, Topics, check_id, encode
+from edgetune.protocol import COMMAND_STATES, OPS, TERMINAL_STATES, Topics, encode
 from fleet.mqtt import hostname
 
 log = logging.getLogger("fleet.commands")
-
-
-def check_device_id(device: str) -> str:
-    """BadInput (exit 2) naming the id and the rule, before anything is sent."""
-    return check_id(device, "device id")
 
 
 def new_command(op: str, args: dict | None = None, ttl_s: float = 600.0, now: float | None = None) -> dict:
@@ -94,7 +89,7 @@ def send_command(settings: BrokerSettings, device: str, command: dict, *, wait: 
                  on_status: Callable[[str, dict], None] | None = None,
                  connect_timeout_s: float = 10.0) -> CommandRun:
     """Publish `command` to `device`; with `wait`, collect cmd/res/{id} until a final status or `timeout_s`."""
-    topics = Topics(check_device_id(device))
+    topics = Topics(device)  # BadInput naming a bad id, before anything is sent
     res_topic, status_topic = topics.cmd_res(command["id"]), topics.status
     run = CommandRun(device, command)
     conn = _Conn(settings, [res_topic, status_topic] if wait else [], connect_timeout_s).open()
