@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from daemon import control  # noqa: E402
-from edgetune.config import MqttConfig  # noqa: E402
 from daemon.mqtt import Link  # noqa: E402
 from daemon.outbox import Outbox  # noqa: E402
-from daemon.topics import Topics  # noqa: E402
+from edgetune.broker import BrokerSettings  # noqa: E402
+from edgetune.protocol import Topics  # noqa: E402
 from tests.broker import Mosquitto  # noqa: E402
 
 WORKLOAD = '[[workload]]\nkernel = "gemm"\nname = "kws_dscnn.fc"\nshape = { M = 1, N = 12, K = 64 }\n'
@@ -101,7 +101,7 @@ def fill(ob: Outbox, topics: Topics, n: int) -> float:
 def outbox_figures(tmp: Path, broker: Mosquitto, n: int) -> dict:
     topics = Topics("bench-outbox")
     ob = Outbox(tmp / "outbox.db", max_bytes=1 << 30)
-    link = Link(MqttConfig(host=broker.host, port=broker.port), topics, ob, will=lambda: b'{"state":"lost"}',
+    link = Link(BrokerSettings(host=broker.host, port=broker.port), topics, ob, will=lambda: b'{"state":"lost"}',
                 on_connected=lambda: None, on_command=lambda p: None)
     out: dict = {"messages": n}
     out["enqueue_per_s"] = round(fill(ob, topics, n))

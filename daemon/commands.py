@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -23,16 +22,12 @@ from typing import Any, Callable
 
 from daemon.store import Journal
 from edgetune.errors import BadInput
+from edgetune.protocol import CMD_REQ, ID_RULE, MAX_COMMAND_BYTES, OPS, ProtocolError, decode, valid_id
+from edgetune.protocol import OPEN_STATES as OPEN, TERMINAL_STATES as TERMINAL
 
 log = logging.getLogger(__name__)
 
-MAX_PAYLOAD = 16 * 1024
-ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # also a topic level: no '/', '+', '#'
-RETUNE_ARGS = ("kernels", "workloads", "strategy", "budget", "force")
-OPS: dict[str, tuple[str, ...]] = {"retune": RETUNE_ARGS, "probe": (), "report": (), "ping": ()}
-TERMINAL = ("succeeded", "failed", "rejected")
 JOURNAL_KEEP_S = 30 * 86400.0  # a repeated id is recognised for this long
-OPEN = ("accepted", "in_progress")
 
 
 @dataclass(frozen=True)
@@ -95,17 +90,13 @@ def check_args(op: str, args: Any) -> dict:
 
 def parse(payload: bytes, now: float) -> tuple[str | None, Command | None, str | None]:
     """(usable id or None, command or None, rejection reason or None)."""
-    if len(payload) > MAX_PAYLOAD:
-        return None, None, f"oversized: {len(payload)} bytes, the limit is {MAX_PAYLOAD}"
     try:
-        doc = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None, None, "not JSON (UTF-8 JSON object expected)"
-    if not isinstance(doc, dict):
-        return None, None, "not a JSON object"
+        doc = decode(payload, CMD_REQ.sub, MAX_COMMAND_BYTES)
+    except ProtocolError as e:
+        return None, None, str(e)
     cid = doc.get("id")
-    if not isinstance(cid, str) or not ID_RE.fullmatch(cid):
-        return None, None, "missing or unusable id (1-128 of A-Z a-z 0-9 _ . : -, starting alphanumeric)"
+    if not valid_id(cid):
+        return None, None, f"missing or unusable id ({ID_RULE})"
     try:
         op = doc.get("op")
         if not isinstance(op, str) or op not in OPS:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from daemon.commands import OPS
 from edgetune.config import TuningConfig
 from edgetune import __version__
+from edgetune.protocol import OPS
 from kernels.registry import all_specs
 from kernels.spec import KernelSpec, Workload
 

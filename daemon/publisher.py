@@ -6,29 +6,12 @@ wants, while status, info, config/active and telemetry describe the present and 
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from typing import Any, Callable
 
 from daemon.outbox import Outbox
-from daemon.topics import Topics
 from edgetune import __version__
-
-
-def encode(doc: Any) -> bytes:
-    """Strict JSON: NaN/inf (e.g. a CV of one rep) become null so every fleet parser reads it."""
-    return json.dumps(_finite(doc), separators=(",", ":"), default=str).encode()
-
-
-def _finite(x: Any) -> Any:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
+from edgetune.protocol import QOS, Topics, encode
 
 
 def status_doc(state: str, session: int) -> dict:
@@ -41,7 +24,7 @@ class Publisher:
 
     def _put(self, topic: str, doc: Any, kind: str, retain: bool = False) -> None:
         if self.broker or kind == "record":
-            self.outbox.enqueue(topic, encode(doc), qos=1, retain=retain, kind=kind)
+            self.outbox.enqueue(topic, encode(doc), qos=QOS, retain=retain, kind=kind)
             self.wake()
 
     def status(self, state: str, session: int) -> None:

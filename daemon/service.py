@@ -22,15 +22,16 @@ from daemon.commands import JOURNAL_KEEP_S, TERMINAL, Command, Commands
 from edgetune.config import DaemonConfig
 from daemon.control import ControlServer
 from daemon.info import info_doc, model_info
-from daemon.mqtt import CONNECT_TIMEOUT_S, Link
+from daemon.mqtt import Link
 from daemon.outbox import Outbox
-from daemon.publisher import Publisher, encode, status_doc
+from daemon.publisher import Publisher, status_doc
 from daemon.scheduler import Job, Outcome, Scheduler
 from daemon.store import DaemonStore, Journal, results_db
 from daemon.telemetry import Telemetry
-from daemon.topics import Topics
 from edgetune import __version__
+from edgetune.broker import CONNECT_TIMEOUT_S
 from edgetune.errors import BadInput, EdgetuneError
+from edgetune.protocol import TERMINAL_STATES, Topics, encode
 from hwprobe import probe
 from tuner.db import ResultsDB
 
@@ -400,7 +401,7 @@ class Daemon:
             doc = self.journal.response(cmd.id)
             while True:
                 send({"ok": True, **doc})
-                if doc["status"] in TERMINAL:
+                if doc["status"] in TERMINAL_STATES:
                     return
                 doc = updates.get()
         finally:

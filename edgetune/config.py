@@ -20,40 +20,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from edgetune import paths
+from edgetune.broker import PROTOCOLS, BrokerSettings
 from edgetune.errors import BadInput
+from edgetune.protocol import ID_MAX, ID_RE, ID_RULE
 
 OBJECTIVES = ("latency", "energy", "edp")  # what tuning minimises (tuner.objective)
-DEVICE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")  # one MQTT topic level, also the client id
 MACHINE_ID = Path("/etc/machine-id")
-
-
-@dataclass
-class TlsConfig:
-    """TLS is on when a CA or a client cert is given; no CA means the system trust store."""
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.ca or self.cert)
-
-
-@dataclass
-class MqttConfig:
-    host: str | None = None  # None: no broker, the daemon tunes and keeps results locally
-    port: int | None = None  # None: 8883 with TLS, else 1883
-    tls: TlsConfig = field(default_factory=TlsConfig)
-    username: str | None = None
-    password: str | None = None
-    keepalive: int = 60
-    will_delay_s: int = 30  # MQTT 5: a blip shorter than this does not flip status to `lost`
-    reconnect_max_s: float = 60.0  # backoff cap
-
-    @property
-    def effective_port(self) -> int:
-        return self.port or (8883 if self.tls.enabled else 1883)
 
 
 @dataclass
@@ -75,7 +47,7 @@ class DaemonConfig:
     device_id: str = ""  # empty: derived from /etc/machine-id (hashed), else the hostname
     telemetry_interval_s: float = 60.0
     idle_load_threshold: float = 0.5  # load1 per core under which background tuning runs
-    mqtt: MqttConfig = field(default_factory=MqttConfig)
+    mqtt: BrokerSettings = field(default_factory=BrokerSettings)
     outbox: OutboxConfig = field(default_factory=OutboxConfig)
     tuning: TuningConfig = field(default_factory=TuningConfig)
     power: dict = field(default_factory=dict)  # [power]: the meter, checked by hwprobe.power.meter_from_config
@@ -121,14 +93,16 @@ def _readable(v: str) -> str | None:
 
 # value checks by dotted key; each returns the problem or None
 CHECKS: dict[str, Callable[[Any], str | None]] = {
-    "device_id": lambda v: None if DEVICE_ID_RE.fullmatch(v) else
-    "must be 1-64 letters, digits, '_', '.', ':' or '-' (it is an MQTT topic level and the client id)",
+    "device_id": lambda v: None if ID_RE.fullmatch(v) else
+    f"must be {ID_RULE} (it is an MQTT topic level and the client id)",
     "telemetry_interval_s": _positive,
     "idle_load_threshold": _positive,
     "mqtt.host": lambda v: None if v.strip() else "must not be empty (leave it out for no broker)",
     "mqtt.port": lambda v: None if 1 <= v <= 65535 else "must be 1-65535",
     "mqtt.keepalive": lambda v: None if 1 <= v <= 65535 else "must be 1-65535 seconds",
     "mqtt.will_delay_s": lambda v: None if v >= 0 else "must be >= 0",
+    "mqtt.protocol": lambda v: None if v in PROTOCOLS else f"must be one of: {', '.join(PROTOCOLS)}",
+    "mqtt.reconnect_min_s": _positive,
     "mqtt.reconnect_max_s": _positive,
     "mqtt.tls.ca": _readable,
     "mqtt.tls.cert": _readable,
@@ -219,7 +193,7 @@ def default_device_id() -> str:
     if mid:
         return "et-" + hashlib.sha256(f"edgetune:{mid}".encode()).hexdigest()[:16]
     host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname()).strip("-.") or "device"
-    return host[:64]
+    return host[:ID_MAX]
 
 
 def config_files(path: str | Path | None) -> list[Path]:

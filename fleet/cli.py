@@ -22,7 +22,8 @@ from typing import Any
 
 from edgetune.errors import BadInput, EdgetuneError
 from edgetune.output import console, emit, err_console, fmt, json_flag, table
-from fleet.mqtt import add_broker_args, broker_opts
+from edgetune.protocol import check_id
+from fleet.mqtt import add_broker_args, broker_settings
 from fleet.store import FleetStore, default_path
 
 log = logging.getLogger("fleet.cli")
@@ -95,7 +96,7 @@ def cmd_listen(args: argparse.Namespace) -> int:
 
     if args.session_expiry < 0:
         raise BadInput(f"--session-expiry {args.session_expiry}: must be >= 0 seconds")
-    listener = Listener(broker_opts(args), args.db, client_id=args.client_id, session_expiry_s=args.session_expiry)
+    listener = Listener(broker_settings(args), args.db, client_id=args.client_id, session_expiry_s=args.session_expiry)
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("got %s, stopping", signal.Signals(signum).name)
@@ -182,9 +183,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---- retune ----------------------------------------------------------------------------------------------------
 
 def cmd_retune(args: argparse.Namespace) -> int:
-    from fleet.commands import check_device_id, describe_progress, new_command, progress_parts, send_command
+    from fleet.commands import describe_progress, new_command, progress_parts, send_command
 
-    check_device_id(args.device)
+    check_id(args.device, "device id")
     if args.budget is not None and args.budget <= 0:
         raise BadInput(f"--budget {args.budget}: must be a positive number of evaluations")
     if args.timeout <= 0:
@@ -208,7 +209,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
         cargs["budget"] = args.budget
     if args.force:
         cargs["force"] = True
-    opts = broker_opts(args)
+    opts = broker_settings(args)
     command = new_command("retune", cargs, ttl_s=args.ttl)
     tty = sys.stderr.isatty() and not args.json
     short = command["id"][:8]

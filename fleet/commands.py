@@ -11,28 +11,17 @@ import logging
 import os
 import queue
 import secrets
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import paho.mqtt.client as mqtt
-
-from edgetune.errors import BadInput, EdgetuneError
-from fleet.ingest import PREFIX, RESPONSE_STATES
-from fleet.mqtt import BrokerOpts, connect_kwargs, hostname, make_client, unsupported_protocol
+from edgetune.broker import BrokerError, BrokerSettings, Client, Connection, Handler, Message
+from edgetune.errors import BadInput
+from edgetune.protocol import COMMAND_STATES, OPS, TERMINAL_STATES, Topics, encode
+from fleet.mqtt import hostname
 
 log = logging.getLogger("fleet.commands")
-
-FINAL = ("succeeded", "failed", "rejected")
-OPS = ("retune", "probe", "report", "ping")
-
-
-def check_device_id(device: str) -> str:
-    if not device or any(ch in device for ch in "/+#\0") or len(device) > 256:
-        raise BadInput(f"device id {device!r}: must be non-empty, at most 256 characters, without / + # or NUL")
-    return device
 
 
 def new_command(op: str, args: dict | None = None, ttl_s: float = 600.0, now: float | None = None) -> dict:
@@ -67,95 +56,45 @@ class CommandRun:
                 "result": f.get("result"), "device_state": self.device_state, "responses": self.responses}
 
 
-class _Conn:
-    """A short-lived clean-session client running paho's loop in a background thread."""
+class _Conn(Handler):
+    """A short-lived clean-session client for one command: its responses and the device's status are queued."""
 
-    def __init__(self, opts: BrokerOpts, topics: list[str], connect_timeout_s: float):
-        self.opts, self.topics, self.connect_timeout_s = opts, topics, connect_timeout_s
+    def __init__(self, settings: BrokerSettings, topics: list[str], connect_timeout_s: float):
+        self.connect_timeout_s = connect_timeout_s
         self.messages: queue.Queue[tuple[str, bytes]] = queue.Queue()
-        self.client: mqtt.Client | None = None
+        client_id = f"edgetune-fleet-cli-{hostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.client = Client(settings, client_id, self, subscriptions=topics, name="fleet-command")
 
     def open(self) -> "_Conn":
-        opts = self.opts
-        for attempt in range(2):
-            refused: list[Any] = []
-            ready = threading.Event()
-            client_id = f"edgetune-fleet-cli-{hostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-            c = make_client(opts, client_id, persistent=False)
-
-            def on_connect(client: mqtt.Client, userdata: Any, flags: Any, rc: Any, props: Any) -> None:
-                if rc.is_failure:
-                    refused.append(rc)
-                    ready.set()
-                elif self.topics:
-                    client.subscribe([(t, 1) for t in self.topics])
-                else:
-                    ready.set()
-
-            def on_subscribe(client: mqtt.Client, userdata: Any, mid: int, rcs: Any, props: Any) -> None:
-                bad = [rc for rc in rcs if rc.is_failure]
-                if bad:
-                    refused.append(f"subscription refused: {bad[0]}")
-                ready.set()
-
-            c.on_connect = on_connect
-            c.on_subscribe = on_subscribe
-            c.on_message = lambda client, userdata, msg: self.messages.put((msg.topic, msg.payload))
-            try:
-                c.connect(opts.host, opts.port, keepalive=opts.keepalive,
-                          **connect_kwargs(opts, persistent=False, session_expiry_s=0))
-            except (OSError, ValueError) as e:
-                raise EdgetuneError(f"cannot reach broker {opts.label}: {e}") from e
-            c.loop_start()
-            if not ready.wait(self.connect_timeout_s):
-                self._close(c)
-                raise EdgetuneError(f"broker {opts.label} did not answer within {self.connect_timeout_s:.0f} s")
-            if refused:
-                self._close(c)
-                if attempt == 0 and opts.v5 and unsupported_protocol(refused[0]):
-                    opts = replace(opts, protocol="3.1.1")
-                    continue
-                raise EdgetuneError(f"broker {opts.label} refused: {refused[0]}")
-            self.client = c
-            return self
-        raise EdgetuneError(f"broker {opts.label} refused MQTT 5 and 3.1.1")
-
-    @staticmethod
-    def _close(c: mqtt.Client) -> None:
+        self.client.start()
         try:
-            c.disconnect()
-        finally:
-            c.loop_stop()
+            self.client.wait_ready(self.connect_timeout_s)
+        except BrokerError:
+            self.client.stop()
+            raise
+        return self
+
+    def on_message(self, conn: Connection, msg: Message) -> None:
+        self.messages.put((msg.topic, msg.payload))
 
     def close(self) -> None:
-        if self.client is not None:
-            self._close(self.client)
-            self.client = None
+        self.client.stop()
 
     def publish(self, topic: str, payload: dict) -> None:
-        assert self.client is not None
-        info = self.client.publish(topic, json.dumps(payload), qos=1, retain=False)
-        try:
-            info.wait_for_publish(self.connect_timeout_s)
-        except (RuntimeError, ValueError) as e:
-            raise EdgetuneError(f"could not publish to {self.opts.label}: {e}") from e
-        if not info.is_published():
-            raise EdgetuneError(f"broker {self.opts.label} did not acknowledge the command within "
-                                f"{self.connect_timeout_s:.0f} s")
+        self.client.publish_wait(topic, encode(payload), self.connect_timeout_s)
 
 
-def send_command(opts: BrokerOpts, device: str, command: dict, *, wait: bool, timeout_s: float,
+def send_command(settings: BrokerSettings, device: str, command: dict, *, wait: bool, timeout_s: float,
                  on_response: Callable[[dict], None] | None = None,
                  on_status: Callable[[str, dict], None] | None = None,
                  connect_timeout_s: float = 10.0) -> CommandRun:
     """Publish `command` to `device`; with `wait`, collect cmd/res/{id} until a final status or `timeout_s`."""
-    check_device_id(device)
-    base = f"{PREFIX}{device}/"
-    res_topic, status_topic = f"{base}cmd/res/{command['id']}", f"{base}status"
+    topics = Topics(device)  # BadInput naming a bad id, before anything is sent
+    res_topic, status_topic = topics.cmd_res(command["id"]), topics.status
     run = CommandRun(device, command)
-    conn = _Conn(opts, [res_topic, status_topic] if wait else [], connect_timeout_s).open()
+    conn = _Conn(settings, [res_topic, status_topic] if wait else [], connect_timeout_s).open()
     try:
-        conn.publish(f"{base}cmd/req", command)
+        conn.publish(topics.cmd_req, command)
         log.debug("sent %s %s to %s", command["op"], command["id"], device)
         if not wait:
             return run
@@ -183,13 +122,13 @@ def send_command(opts: BrokerOpts, device: str, command: dict, *, wait: bool, ti
                 if on_status and run.device_state:
                     on_status(run.device_state, obj)
                 continue
-            if obj.get("status") not in RESPONSE_STATES:
+            if obj.get("status") not in COMMAND_STATES:
                 log.warning("ignoring a response with status %r", obj.get("status"))
                 continue
             run.responses.append(obj)
             if on_response:
                 on_response(obj)
-            if obj["status"] in FINAL:
+            if obj["status"] in TERMINAL_STATES:
                 run.final = obj
                 return run
     finally:

@@ -1,7 +1,6 @@
 """One MQTT message into the fleet DB.
 
-Topics and payloads follow DESIGN.md "daemon and MQTT (contract)": `edgetune/v1/{device_id}/` + status, info,
-config/active, tuning/record, telemetry, cmd/req, cmd/res/{id}. Validation is lenient about extra or missing
+Topics and payloads follow the wire protocol (edgetune.protocol, docs/protocol.md). Validation is lenient about extra or missing
 optional fields and strict only where storage needs it (a status state, a telemetry seq, a record's kernel and
 workload, a response status). Anything else that is wrong with a payload makes it "malformed": logged, noted in
 the `malformed` table and skipped. `ingest` never raises for a payload; it raises only `DBError` (disk full, DB
@@ -18,21 +17,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from edgetune import protocol as wire
+from edgetune.protocol import CMD_RES, COMMAND_STATES, STATUS_STATES, ProtocolError
 from edgetune.sqlite import DBError
 from fleet.store import FleetStore
 
 log = logging.getLogger("fleet.ingest")
 
-PREFIX = "edgetune/v1/"
-SUBSCRIPTION = PREFIX + "+/#"
-MAX_PAYLOAD_BYTES = 32 << 20
-MAX_DEVICE_ID = 256
-STATUS_STATES = ("online", "offline", "lost")
-RESPONSE_STATES = ("accepted", "in_progress", "succeeded", "failed", "rejected")
+SUBSCRIPTION = wire.topic_filter()
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 
 
-class Malformed(ValueError):
+class Malformed(ProtocolError):
     """The payload (or topic) cannot be stored; the message says why."""
 
 
@@ -91,40 +87,12 @@ def _seen(ts: float | None, retained: bool, now: float) -> float | None:
     return None if retained else now
 
 
-def _json_object(payload: bytes, what: str) -> dict:
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise Malformed(f"{what}: payload of {len(payload)} bytes is over the {MAX_PAYLOAD_BYTES}-byte limit")
-    try:
-        text = payload.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise Malformed(f"{what}: payload is not UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise Malformed(f"{what}: payload is not JSON ({str(e)[:200]})") from None
-    if not isinstance(obj, dict):
-        raise Malformed(f"{what}: payload is a JSON {type(obj).__name__}, expected an object")
-    return obj
-
-
-def parse_topic(topic: str) -> tuple[str, str]:
-    """`edgetune/v1/{device}/{sub}` → (device, sub)."""
-    if not topic.startswith(PREFIX):
-        raise Malformed(f"topic {topic[:200]!r} is outside {PREFIX}")
-    device, sep, sub = topic[len(PREFIX):].partition("/")
-    if not device or not sep or not sub:
-        raise Malformed(f"topic {topic[:200]!r} has no device id or sub-topic")
-    if len(device) > MAX_DEVICE_ID:
-        raise Malformed(f"device id of {len(device)} characters is over {MAX_DEVICE_ID}")
-    return device, sub
-
-
 # ---- per-topic handlers ----------------------------------------------------------------------------------------
 
 def _status(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
     if not payload:  # a retained status was cleared
         return Outcome("status", device, "cleared")
-    obj = _json_object(payload, "status")
+    obj = wire.decode(payload, wire.STATUS.sub)
     state = obj.get("state")
     if state not in STATUS_STATES:
         raise Malformed(f"status: state {str(state)[:50]!r} is not one of {', '.join(STATUS_STATES)}")
@@ -148,7 +116,7 @@ def _descriptor(info: dict) -> dict:
 def _info(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
     if not payload:
         return Outcome("info", device, "cleared")
-    obj = _json_object(payload, "info")
+    obj = wire.decode(payload, wire.INFO.sub)
     declared = _ident(obj.get("device_id", obj.get("device")))
     if declared is not None and declared != device:
         log.warning("info on %s's topic names device %r; the topic wins", device, declared)
@@ -171,7 +139,7 @@ def _active(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
     if not payload:
         store.put_active(device, None, {}, [], now, seen)
         return Outcome("active", device, "cleared")
-    obj = _json_object(payload, "config/active")
+    obj = wire.decode(payload, wire.CONFIG_ACTIVE.sub)
     kernels = obj.get("kernels") or {}
     if not isinstance(kernels, dict):
         raise Malformed(f"config/active: kernels is a {type(kernels).__name__}, expected an object")
@@ -212,7 +180,7 @@ def record_uid(obj: dict) -> str:
 
 
 def _record(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
-    obj = _json_object(payload, "tuning/record")
+    obj = wire.decode(payload, wire.TUNING_RECORD.sub)
     # the session fields sit at the top level; accept them nested under "session" too
     src = {**obj["session"], **obj} if isinstance(obj.get("session"), dict) else obj
     kernel, workload = _text(src.get("kernel"), 100), _text(src.get("workload"), 200)
@@ -239,7 +207,7 @@ def _record(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
 
 
 def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
-    obj = _json_object(payload, "telemetry")
+    obj = wire.decode(payload, wire.TELEMETRY.sub)
     seq = _int(obj.get("seq"))
     if seq is None:
         raise Malformed("telemetry: no integer seq")
@@ -252,7 +220,7 @@ def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retaine
 
 
 def _cmd_req(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
-    obj = _json_object(payload, "cmd/req")
+    obj = wire.decode(payload, wire.CMD_REQ.sub)
     cid = _ident(obj.get("id"))
     if cid is None:
         raise Malformed("cmd/req: no id")
@@ -261,13 +229,11 @@ def _cmd_req(store: FleetStore, device: str, sub: str, payload: bytes, retained:
 
 
 def _cmd_res(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
-    cid = sub[len("cmd/res/"):]
-    if not cid or "/" in cid or len(cid) > 256:
-        raise Malformed(f"cmd/res: bad command id in topic ({cid[:50]!r})")
-    obj = _json_object(payload, "cmd/res")
+    cid = sub[len(CMD_RES.stem):]  # checked by parse_topic
+    obj = wire.decode(payload, CMD_RES.sub)
     status = obj.get("status")
-    if status not in RESPONSE_STATES:
-        raise Malformed(f"cmd/res: status {str(status)[:50]!r} is not one of {', '.join(RESPONSE_STATES)}")
+    if status not in COMMAND_STATES:
+        raise Malformed(f"cmd/res: status {str(status)[:50]!r} is not one of {', '.join(COMMAND_STATES)}")
     if _ident(obj.get("id")) not in (None, cid):
         log.warning("cmd/res/%s from %s carries id %r; the topic wins", cid, device, obj.get("id"))
     store.put_response(device, cid, status, obj.get("progress"), _text(obj.get("reason"), 2000), obj.get("result"),
@@ -276,9 +242,9 @@ def _cmd_res(store: FleetStore, device: str, sub: str, payload: bytes, retained:
 
 
 Handler = Callable[[FleetStore, str, str, bytes, bool, float], Outcome]
-_HANDLERS: dict[str, Handler] = {
-    "status": _status, "info": _info, "config/active": _active, "tuning/record": _record,
-    "telemetry": _telemetry, "cmd/req": _cmd_req,
+_HANDLERS: dict[wire.TopicSpec, Handler] = {
+    wire.STATUS: _status, wire.INFO: _info, wire.CONFIG_ACTIVE: _active, wire.TUNING_RECORD: _record,
+    wire.TELEMETRY: _telemetry, wire.CMD_REQ: _cmd_req, wire.CMD_RES: _cmd_res,
 }
 
 
@@ -288,16 +254,17 @@ def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False
     payload = bytes(payload or b"")
     device = None
     try:
-        device, sub = parse_topic(topic)
-        handler = _HANDLERS.get(sub) or (_cmd_res if sub.startswith("cmd/res/") else None)
+        parsed = wire.parse_topic(topic)
+        device = parsed.device_id
+        handler = _HANDLERS.get(parsed.spec) if parsed.spec else None
         if handler is None:
             log.debug("ignoring %s: not a topic this fleet receiver knows", topic)
-            return Outcome("ignored", device, sub)
-        return handler(store, device, sub, payload, retained, now)
+            return Outcome("ignored", device, parsed.sub)
+        return handler(store, device, parsed.sub, payload, retained, now)
     except DBError:
         raise  # the DB, not the payload: the caller retries
     except Exception as e:  # Malformed, or whatever else an odd payload provoked: skip it, keep running
-        err = str(e) if isinstance(e, Malformed) else f"{type(e).__name__}: {str(e)[:300]}"
+        err = str(e) if isinstance(e, ProtocolError) else f"{type(e).__name__}: {str(e)[:300]}"
         log.warning("skipped a malformed message on %s: %s", topic[:300], err)
         store.put_malformed(device, topic[:1000], err, payload, now)
         return Outcome("malformed", device, error=err)

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from edgetune import paths
+from edgetune.protocol import TERMINAL_STATES
 from edgetune.sqlite import Schema, Store
 
 APP_ID = 0x45544631  # "ETF1": tells the fleet DB from a results DB or a foreign SQLite file
 MALFORMED_KEEP = 1000  # rows kept in the malformed-message log
 TERMINAL_RECORD_STATES = frozenset({"done", "failed", "interrupted", "cancelled", "aborted"})
-TERMINAL_COMMAND_STATES = frozenset({"succeeded", "failed", "rejected"})
 
 MIGRATIONS: list[str] = [
     # v1
@@ -252,7 +252,7 @@ class FleetStore(Store):
                 c.execute("INSERT INTO commands (device_id, id, status, progress_json, reason, result_json, updated_at)"
                           " VALUES (?,?,?,?,?,?,?)",
                           (device, cmd_id, status, _dumps(progress), reason, _dumps(result), now))
-            elif not (row["status"] in TERMINAL_COMMAND_STATES and status not in TERMINAL_COMMAND_STATES):
+            elif not (row["status"] in TERMINAL_STATES and status not in TERMINAL_STATES):
                 c.execute("UPDATE commands SET status=?, progress_json=?, reason=?, result_json=?, updated_at=?"
                           " WHERE device_id=? AND id=?",
                           (status, _dumps(progress), reason, _dumps(result), now, device, cmd_id))

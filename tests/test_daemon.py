@@ -9,6 +9,7 @@ import socket
 import sqlite3
 import stat
 
+from edgetune.protocol import parse_topic
 from tests.test_daemon_support import Bus, DaemonProc, daemon_config, retained
 
 DEV = "edgetune/v1/dev-test"
@@ -55,6 +56,10 @@ def test_end_to_end_publishes_contract_and_stops_offline(tmp_path, mosquitto):
         assert d.cli("ping").returncode == 0
         sock = os.stat(os.path.join(d.env["RUNTIME_DIRECTORY"], "control.sock"))
         assert stat.S_IMODE(sock.st_mode) == 0o660
+
+        for m in list(bus.msgs):  # every payload carries only fields the contract documents (docs/protocol.md)
+            spec = parse_topic(m.topic).spec
+            assert spec is not None and set(m.doc) <= set(spec.fields), (m.topic, set(m.doc) - set(spec.fields))
 
         assert d.signal(signal.SIGTERM) == 0
         assert retained(mosquitto, f"{DEV}/status")["state"] == "offline"

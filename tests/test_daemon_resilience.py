@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sqlite3
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 
-from edgetune.config import MqttConfig, TlsConfig
 from daemon.mqtt import Link
 from daemon.outbox import Outbox
-from daemon.topics import Topics
-from tests.broker import Mosquitto
+from edgetune.broker import BrokerSettings
+from edgetune.protocol import Topics
+from tests.broker import Mosquitto, Mqtt311OnlyBroker, make_certs
 from tests.test_daemon_support import WORKLOAD_FC, WORKLOAD_PW4, Bus, DaemonProc, daemon_config
 
 DEV = "edgetune/v1/dev-test"
@@ -121,7 +119,7 @@ def test_full_outbox_drops_only_oldest_telemetry(tmp_path, mosquitto):
     left = [json.loads(m.payload)["seq"] for m in ob.after(0, 1000) if m.kind == "telemetry"]
 
     fleet = Bus(mosquitto, ("edgetune/v1/dev-ob/#",))
-    link = Link(MqttConfig(host=mosquitto.host, port=mosquitto.port, will_delay_s=0), topics, ob,
+    link = Link(BrokerSettings(host=mosquitto.host, port=mosquitto.port, will_delay_s=0), topics, ob,
                 will=lambda: b"{}", on_connected=lambda: None, on_command=lambda p: None)
     link.start()
     try:
@@ -134,24 +132,9 @@ def test_full_outbox_drops_only_oldest_telemetry(tmp_path, mosquitto):
         fleet.close()
 
 
-def _certs(tmp: Path) -> dict[str, Path]:
-    """A test CA, a server cert for 127.0.0.1 and a client cert, with the openssl CLI (EC keys: fast)."""
-    def ssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=edgetune test CA")
-    (tmp / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
-        ssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=edgetune test {name}")
-        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.crt", "-days", "2", *ext)
-    return {n: tmp / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
-
-
 @pytest.fixture
 def tls_broker(tmp_path):
-    certs = _certs(tmp_path)
+    certs = make_certs(tmp_path)
     pw = tmp_path / "passwd"
     subprocess.run(["mosquitto_passwd", "-b", "-c", str(pw), "edge", "s3cret"], check=True, capture_output=True)
     b = Mosquitto(tmp_path / "broker", extra_conf=[
@@ -185,76 +168,6 @@ def test_tls_and_password_enforced_and_sighup_reload(tmp_path, tls_broker):
         fleet.close()
 
 
-class Mqtt311OnlyBroker:
-    """Just enough of an MQTT 3.1.1-only broker for what mosquitto cannot be made to do: refuse protocol 5 (with
-    CONNACK return code 1, as MQTT 3.1.1 §3.1.2.2 requires), withhold PUBACKs, and drop a connection on cue.
-    It acks CONNECT and SUBSCRIBE, and keeps every PUBLISH it receives."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.levels: list[int] = []
-        self.published: list[tuple[str, bytes]] = []
-        self.acking = True
-        self.got = threading.Condition()
-        self._conn: socket.socket | None = None
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            conn, _ = self.sock.accept()
-            threading.Thread(target=self._client, args=(conn,), daemon=True).start()
-
-    def drop(self) -> None:
-        """End the current connection abruptly (no PUBACK for what it received)."""
-        self._conn.shutdown(socket.SHUT_RDWR)
-
-    @staticmethod
-    def _packet(f) -> tuple[int, bytes] | None:
-        head = f.read(1)
-        if not head:
-            return None
-        n, shift = 0, 0
-        while True:
-            b = f.read(1)[0]
-            n |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
-        return head[0], f.read(n)
-
-    def _client(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rwb", buffering=0) as f:
-            while (pkt := self._packet(f)) is not None:
-                kind, body = pkt
-                if kind >> 4 == 1:  # CONNECT: protocol name, then the level
-                    level = body[2 + int.from_bytes(body[:2], "big")]
-                    self.levels.append(level)
-                    f.write(b"\x20\x02\x00" + (b"\x01" if level != 4 else b"\x00"))
-                    if level != 4:
-                        return
-                    self._conn = conn
-                elif kind >> 4 == 8:  # SUBSCRIBE → SUBACK granting QoS 1
-                    f.write(b"\x90\x03" + body[:2] + b"\x01")
-                elif kind >> 4 == 3:  # PUBLISH, QoS 1 → PUBACK (unless withheld)
-                    tl = int.from_bytes(body[:2], "big")
-                    topic, mid, payload = body[2:2 + tl].decode(), body[2 + tl:4 + tl], body[4 + tl:]
-                    if self.acking:
-                        f.write(b"\x40\x02" + mid)
-                    with self.got:
-                        self.published.append((topic, payload))
-                        self.got.notify_all()
-                elif kind >> 4 == 12:  # PINGREQ
-                    f.write(b"\xd0\x00")
-                elif kind >> 4 == 14:  # DISCONNECT
-                    return
-
-    def wait(self, n: int) -> list[int]:
-        with self.got:
-            assert self.got.wait_for(lambda: len(self.published) >= n, 30), self.published
-            return [json.loads(p)["seq"] for _, p in self.published]
-
-
 def test_mqtt311_fallback_and_rows_deleted_only_on_puback(tmp_path):
     fake = Mqtt311OnlyBroker()
     fake.acking = False
@@ -262,7 +175,7 @@ def test_mqtt311_fallback_and_rows_deleted_only_on_puback(tmp_path):
     ob = Outbox(tmp_path / "outbox.db")
     for i in range(5):
         ob.enqueue(topics.telemetry, json.dumps({"seq": i}).encode(), kind="telemetry")
-    link = Link(MqttConfig(host="127.0.0.1", port=fake.port, tls=TlsConfig()), topics, ob,
+    link = Link(BrokerSettings(host="127.0.0.1", port=fake.port), topics, ob,
                 will=lambda: b'{"state": "lost"}', on_connected=lambda: None, on_command=lambda p: None)
     link.start()
     try:

@@ -25,7 +25,8 @@ from fleet import listener as listener_mod
 from fleet.commands import describe_progress, new_command, progress_parts
 from fleet.ingest import ingest, record_uid
 from fleet.listener import Listener
-from fleet.mqtt import BrokerOpts, parse_broker
+from edgetune.broker import BrokerSettings
+from fleet.mqtt import parse_broker
 from fleet.store import FleetStore, geomean
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,8 +94,8 @@ class Device:
         self.c.loop_stop()
 
 
-def opts(broker, **kw) -> BrokerOpts:
-    return BrokerOpts(host=broker.host, port=broker.port, **kw)
+def opts(broker, **kw) -> BrokerSettings:
+    return BrokerSettings(host=broker.host, port=broker.port, reconnect_min_s=0.05, **kw)
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ def db(tmp_path) -> Path:
 
 @pytest.fixture
 def listener(mosquitto, db):
-    lst = Listener(opts(mosquitto), db, client_id=f"fleet-test-{uuid.uuid4().hex[:8]}", min_backoff_s=0.05).start()
+    lst = Listener(opts(mosquitto), db, client_id=f"fleet-test-{uuid.uuid4().hex[:8]}").start()
     assert lst.subscribed.wait(T), "listener did not subscribe"
     yield lst
     lst.stop()
@@ -222,13 +223,13 @@ def test_malformed_payloads_are_skipped_and_listener_keeps_running(mosquitto, li
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
 def test_persistent_session_queues_while_the_listener_is_down(mosquitto, db, protocol):
     cid = f"fleet-persist-{protocol}"
-    first = Listener(opts(mosquitto, protocol=protocol), db, client_id=cid, min_backoff_s=0.05).start()
+    first = Listener(opts(mosquitto, protocol=protocol), db, client_id=cid).start()
     assert first.subscribed.wait(T)
     first.stop()
     dev = Device(mosquitto)
     dev.pub("tuning/record", record(7))  # published while nobody listens
     dev.pub("status", {"state": "online", "session": 1, "version": "0.1.0", "ts": time.time()}, retain=True)
-    second = Listener(opts(mosquitto, protocol=protocol), db, client_id=cid, min_backoff_s=0.05).start()
+    second = Listener(opts(mosquitto, protocol=protocol), db, client_id=cid).start()
     try:
         assert second.wait_for(lambda c: c["record"] >= 1 and c["status"] >= 1, T), dict(second.counts)
     finally:
@@ -245,7 +246,7 @@ def test_retained_state_reaches_a_new_listener(mosquitto, tmp_path):
     dev.pub("config/active", ACTIVE, retain=True)
     dev.close()
     db = tmp_path / "late.db"
-    lst = Listener(opts(mosquitto), db, client_id="fleet-late", min_backoff_s=0.05).start()
+    lst = Listener(opts(mosquitto), db, client_id="fleet-late").start()
     try:
         assert lst.wait_for(lambda c: c["status"] >= 1 and c["info"] >= 1 and c["active"] >= 1, T), dict(lst.counts)
     finally:
@@ -277,7 +278,7 @@ def test_a_failed_db_write_is_not_acked_and_arrives_again(mosquitto, db, monkeyp
         return real(store, topic, payload, retained, now)
 
     monkeypatch.setattr(listener_mod, "ingest", flaky)
-    lst = Listener(opts(mosquitto), db, client_id="fleet-flaky", min_backoff_s=0.05).start()
+    lst = Listener(opts(mosquitto), db, client_id="fleet-flaky").start()
     try:
         assert lst.subscribed.wait(T)
         dev = Device(mosquitto)
@@ -298,8 +299,8 @@ def test_listener_with_broker_auth(tmp_path):
     subprocess.run(["mosquitto_passwd", "-c", "-b", str(pw), "fleet", "s3cret"], check=True, capture_output=True)
     broker = Mosquitto(tmp_path / "authbroker", extra_conf=[f"password_file {pw}", "allow_anonymous false"]).start()
     try:
-        lst = Listener(opts(broker, username="fleet", password="s3cret"), tmp_path / "a.db", client_id="fleet-auth",
-                       min_backoff_s=0.05).start()
+        lst = Listener(opts(broker, username="fleet", password="s3cret"), tmp_path / "a.db",
+                       client_id="fleet-auth").start()
         try:
             assert lst.subscribed.wait(T)
         finally:

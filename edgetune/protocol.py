@@ -1,0 +1,223 @@
+"""Every name on the wire between a device and the fleet: topics, ops, statuses, the id rule, payload encoding.
+
+The daemon and the fleet both import this module, and docs/protocol.md documents it for people who write their
+own fleet tooling (tests/test_protocol.py checks the two against each other). A name used on the wire is written
+here once; everything else imports it.
+
+The id rule is one rule for device ids and command ids, because both are MQTT topic levels (`{device_id}` and
+`cmd/res/{id}`) and a device id is also the MQTT client id: 1-128 of `A-Z a-z 0-9 _ . : -`, starting alphanumeric.
+128 is the widest limit any sender enforced before (the daemon's command ids); every id that an edgetune
+component produces or accepted from the other side stays valid (device ids were at most 64 in the config, the
+fleet's command ids are 32 hex digits, the daemon's local ones under 30 characters), and it keeps a topic well
+inside any broker's limits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from edgetune.errors import BadInput
+
+VERSION = "v1"
+PREFIX = f"edgetune/{VERSION}"
+QOS = 1  # every message, both directions: at least once
+
+ID_MAX = 128
+ID_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{ID_MAX - 1}}}")
+ID_RULE = f"1-{ID_MAX} of A-Z a-z 0-9 _ . : -, starting with a letter or digit"
+INVALID_ID = "invalid"  # cmd/res/invalid: rejections of requests that carry no usable id
+
+MAX_PAYLOAD_BYTES = 32 << 20  # any message; a tuning record with every measurement stays far below
+MAX_COMMAND_BYTES = 16 * 1024  # cmd/req: a device rejects a larger request
+
+# status: the device's retained presence; `lost` is its last will, `offline` a clean stop
+STATUS_STATES = ("online", "offline", "lost")
+
+# cmd/res: a command's life; the device journals it and dedupes its id
+COMMAND_STATES = ("accepted", "in_progress", "succeeded", "failed", "rejected")
+TERMINAL_STATES = ("succeeded", "failed", "rejected")  # a command in one of these never changes again
+OPEN_STATES = tuple(s for s in COMMAND_STATES if s not in TERMINAL_STATES)
+
+# cmd/req: op → the argument names it takes (the device checks values; see docs/protocol.md)
+OPS: dict[str, tuple[str, ...]] = {
+    "retune": ("kernels", "workloads", "strategy", "budget", "force"),
+    "probe": (),
+    "report": (),
+    "ping": (),
+}
+
+DEVICE_TO_FLEET = "device → fleet"
+FLEET_TO_DEVICE = "fleet → device"
+
+
+class ProtocolError(BadInput, ValueError):
+    """A topic, id or payload that breaks the contract; the message names the value and what is expected."""
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic under `edgetune/v1/{device_id}/`. `sub` is the part after the device id; `cmd/res/{id}` has a
+    command id level."""
+
+    sub: str
+    direction: str
+    retained: bool
+    fields: tuple[str, ...]  # the payload's top-level fields (a JSON object)
+
+    @property
+    def has_id(self) -> bool:
+        return self.sub.endswith("/{id}")
+
+    @property
+    def stem(self) -> str:
+        """`cmd/res/` for `cmd/res/{id}`, else the whole sub-topic."""
+        return self.sub[:-len("{id}")] if self.has_id else self.sub
+
+
+STATUS = TopicSpec("status", DEVICE_TO_FLEET, True, ("state", "session", "version", "ts"))
+INFO = TopicSpec("info", DEVICE_TO_FLEET, True,
+                 ("device_id", "version", "hw", "hw_fingerprint", "fw_fingerprint", "model", "kernels", "tuning",
+                  "commands"))
+CONFIG_ACTIVE = TopicSpec("config/active", DEVICE_TO_FLEET, True,
+                          ("tuned_at", "hw_fingerprint", "fw_fingerprint", "model_version", "kernels"))
+TUNING_RECORD = TopicSpec("tuning/record", DEVICE_TO_FLEET, False,
+                          ("record_id", "device_id", "id", "key", "kernel", "workload", "shape", "hw_fingerprint",
+                           "fw_fingerprint", "source_hash", "isa", "compiler_id", "strategy", "strategy_version",
+                           "params", "origin", "state", "started_at", "finished_at", "result", "hw", "model",
+                           "measurements"))
+TELEMETRY = TopicSpec("telemetry", DEVICE_TO_FLEET, False,
+                      ("seq", "boot_id", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss",
+                       "state"))
+CMD_REQ = TopicSpec("cmd/req", FLEET_TO_DEVICE, False, ("id", "op", "args", "expires_at"))
+CMD_RES = TopicSpec("cmd/res/{id}", DEVICE_TO_FLEET, False,
+                    ("id", "op", "origin", "status", "progress", "reason", "result", "message", "ts",
+                     "request_sha256"))
+TOPICS = (STATUS, INFO, CONFIG_ACTIVE, TUNING_RECORD, TELEMETRY, CMD_REQ, CMD_RES)
+
+
+# ---- ids ---------------------------------------------------------------------------------------------------------
+
+def valid_id(value: Any) -> bool:
+    return isinstance(value, str) and ID_RE.fullmatch(value) is not None
+
+
+def check_id(value: Any, what: str = "id") -> str:
+    """`value` if it is a usable device or command id, else ProtocolError naming it and the rule."""
+    if not valid_id(value):
+        shown = value[:ID_MAX + 10] if isinstance(value, str) else value
+        raise ProtocolError(f"{what} {shown!r} is not usable: it must be {ID_RULE}")
+    return value
+
+
+# ---- topics ------------------------------------------------------------------------------------------------------
+
+def _topic(spec: TopicSpec) -> property:
+    return property(lambda self: self.of(spec), doc=f"the {spec.sub} topic")
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topics of one device, built from the specs above."""
+
+    device_id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.device_id, "device id")
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}/{self.device_id}"
+
+    def of(self, spec: TopicSpec, command_id: str | None = None) -> str:
+        if spec.has_id:
+            return f"{self.base}/{spec.stem}{command_id or INVALID_ID}"
+        return f"{self.base}/{spec.sub}"
+
+    status = _topic(STATUS)
+    info = _topic(INFO)
+    config_active = _topic(CONFIG_ACTIVE)
+    record = _topic(TUNING_RECORD)
+    telemetry = _topic(TELEMETRY)
+    cmd_req = _topic(CMD_REQ)
+
+    def cmd_res(self, command_id: str | None) -> str:
+        """cmd/res/{id}; a request without a usable id is answered on cmd/res/invalid."""
+        return self.of(CMD_RES, command_id)
+
+
+def topic_filter(sub: str = "#", device: str = "+", share: str | None = None) -> str:
+    """A subscription filter under the prefix: every device by default, `$share/{share}/…` for an MQTT 5 shared
+    subscription (several receivers splitting the load). Messages arrive on their plain topic, so receivers
+    dispatch with `parse_topic`, never by matching the filter."""
+    if device != "+":
+        check_id(device, "device id")
+    if share is not None and not re.fullmatch(r"[^/+#]+", share):
+        raise ProtocolError(f"share group {share!r}: must be non-empty, without / + or #")
+    f = f"{PREFIX}/{device}/{sub}"
+    return f"$share/{share}/{f}" if share is not None else f
+
+
+@dataclass(frozen=True)
+class Parsed:
+    device_id: str
+    sub: str  # the sub-topic as received, e.g. `status` or `cmd/res/abc`
+    spec: TopicSpec | None  # None: a sub-topic this version does not know (a newer device's)
+    command_id: str | None = None  # cmd/res/{id}
+
+
+_BY_SUB = {t.sub: t for t in TOPICS if not t.has_id}
+
+
+def parse_topic(topic: str) -> Parsed:
+    """`edgetune/v1/{device}/{sub}` → its parts; ProtocolError outside the tree or with a bad id."""
+    head = PREFIX + "/"
+    if not topic.startswith(head):
+        raise ProtocolError(f"topic {topic[:200]!r} is outside {head}")
+    device, sep, sub = topic[len(head):].partition("/")
+    if not device or not sep or not sub:
+        raise ProtocolError(f"topic {topic[:200]!r} has no device id or sub-topic")
+    check_id(device, "device id")
+    spec = _BY_SUB.get(sub)
+    if spec is not None:
+        return Parsed(device, sub, spec)
+    if sub.startswith(CMD_RES.stem):
+        return Parsed(device, sub, CMD_RES, check_id(sub[len(CMD_RES.stem):], f"{CMD_RES.stem} command id"))
+    return Parsed(device, sub, None)
+
+
+# ---- payloads ----------------------------------------------------------------------------------------------------
+
+def encode(doc: Any) -> bytes:
+    """Strict, compact JSON: NaN and infinities (e.g. the CV of one rep) become null, so every parser reads it."""
+    return json.dumps(_finite(doc), separators=(",", ":"), default=str).encode()
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def decode(payload: bytes, what: str, limit: int = MAX_PAYLOAD_BYTES) -> dict:
+    """A payload as the JSON object every topic carries; ProtocolError saying what is wrong with it."""
+    if len(payload) > limit:
+        raise ProtocolError(f"{what}: oversized: {len(payload)} bytes, the limit is {limit}")
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"{what}: not JSON: the payload is not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(f"{what}: not JSON ({str(e)[:200]})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what}: not a JSON object (a JSON {type(obj).__name__})")
+    return obj
