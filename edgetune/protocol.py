@@ -87,8 +87,8 @@ CONFIG_ACTIVE = TopicSpec("config/active", DEVICE_TO_FLEET, True,
 TUNING_RECORD = TopicSpec("tuning/record", DEVICE_TO_FLEET, False,
                           ("record_id", "device_id", "id", "key", "kernel", "workload", "shape", "hw_fingerprint",
                            "fw_fingerprint", "source_hash", "isa", "compiler_id", "strategy", "strategy_version",
-                           "params", "origin", "state", "started_at", "finished_at", "result", "hw", "model",
-                           "measurements"))
+                           "objective", "model_version", "params", "origin", "state", "started_at", "finished_at",
+                           "result", "hw", "model", "measurements"))
 TELEMETRY = TopicSpec("telemetry", DEVICE_TO_FLEET, False,
                       ("seq", "boot_id", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss",
                        "state"))
