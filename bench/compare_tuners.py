@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels.measure import Measurement  # noqa: E402
-from kernels.registry import all_specs  # noqa: E402
+from kernels.registry import all_specs, get_spec  # noqa: E402
 from kernels.space import Config, Constraint, SearchSpace, config_key  # noqa: E402
 from tuner.train import data as D  # noqa: E402
 from tuner.train.data import HwView as _HwView  # noqa: E402  (torch-free)
@@ -140,9 +140,9 @@ def run_builtin(name: str, space: TableSpace, table: dict, budget: int, seed: in
 
 
 def run_llm(space: TableSpace, table: dict, budget: int, seed: int, kernel: str, proposer) -> tuple[list[float], float]:
-    from tuner.llm import LLMStrategy
+    from tuner.strategies.llm import LLMStrategy
 
-    s = LLMStrategy(space, seed, kernel=kernel, proposer=proposer, refine_patience=budget)
+    s = LLMStrategy(space, seed, kernel=get_spec(kernel), proposer=proposer, refine_patience=budget)
     # the proposer sees the table through the space's constraints (prefix-pruned), like every other strategy
     traj = run_askteller(s, table, budget, batch=5)
     return traj, (s.latency_ms or 0.0) / 1e3
@@ -300,7 +300,7 @@ def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, 
            compile_s: dict[tuple[str, str], float]) -> dict:
     proposer = None
     if "llm" in strategies:
-        from tuner.llm import load_proposer
+        from tuner.strategies.llm import load_proposer
 
         proposer = load_proposer(model)
     per: dict[str, list[dict]] = {s: [] for s in strategies}
@@ -451,7 +451,7 @@ def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int =
     This is the product path (the full space, not the replay table): a proposal the collection never measured
     counts at its real speed. A proposal faster than the best-known counts as within 5%."""
     from kernels.worker import Runner
-    from tuner.llm import LLMStrategy, load_proposer
+    from tuner.strategies.llm import LLMStrategy, load_proposer
 
     specs = all_specs()
     prop = load_proposer(model)
@@ -461,7 +461,7 @@ def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int =
         for i, case in enumerate(cases):
             spec = specs[case.kernel]
             space = spec.space(case.shape, held_out_hw(case, hws))
-            top = LLMStrategy(space, kernel=case.kernel, proposer=prop, k=k, pool=pool).ask(k)[:k]
+            top = LLMStrategy(space, kernel=get_spec(case.kernel), proposer=prop, k=k, pool=pool).ask(k)[:k]
             lists, control, ref_ms = measure_lists(runner, spec, case, space.hw, {"llm": top}, rounds, seed=i)
             ratios = lists["llm"]
             hit = next((n + 1 for n, r in enumerate(ratios) if r is not None and r <= 1.05), None)
@@ -477,7 +477,7 @@ def latency_and_rss(cases: list[D.Case], model: Path | None) -> dict:
     """Proposal latency on the full spaces (the product path, 1 thread) and process RSS with the model loaded."""
     import psutil
 
-    from tuner.llm import load_proposer
+    from tuner.strategies.llm import load_proposer
 
     prop = load_proposer(model)
     lat, calls = [], []
@@ -490,7 +490,7 @@ def latency_and_rss(cases: list[D.Case], model: Path | None) -> dict:
         calls += ms
         lat.append(statistics.median(ms))
     # RSS of a clean process on the product path (what `edgetune propose` / the tuner load), not this bench's
-    code = ("import psutil, resource; from tuner.llm import load_proposer; from hwprobe import probe; "
+    code = ("import psutil, resource; from tuner.strategies.llm import load_proposer; from hwprobe import probe; "
             "from kernels.registry import get_spec; s = get_spec('gemm'); p = load_proposer(None); "
             "p.propose('gemm', s.space(s.workloads[0].shape, probe(measure_bandwidth=False)), 5); "
             "print(psutil.Process().memory_info().rss / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3)")

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from daemon.commands import OPS
-from edgetune.config import TuningConfig
+from tuner.config import TuningConfig
 from edgetune import __version__
 from kernels.registry import all_specs
 from kernels.spec import KernelSpec, Workload

@@ -118,7 +118,7 @@ class Session:
         budget = budget or Budget()
         objective = objective or Objective()
         space = spec.space(wl.shape, self.hw)
-        strat = strategy_obj or make_strategy(strategy, space, seed)
+        strat = strategy_obj or make_strategy(strategy, space, seed, kernel=spec)
         key = result_key(spec, wl, self.hw, strat, objective.name)
         if not force:
             done = self.db.finished_session(key)
@@ -163,7 +163,7 @@ class Session:
                     m.score = m.ms if m.ok else None
                 best_ms = min((m.ms for _, m in evals if m.ok), default=float("inf"))
                 if strategy_obj is None:
-                    strat = make_strategy(strategy, space, seed)
+                    strat = make_strategy(strategy, space, seed, kernel=spec)
                     for c, m in evals:
                         strat.tell(c, m)
             for cfg, m in measured:
