@@ -44,7 +44,7 @@ def _run(path: str, flag: str) -> str:
         return ""
 
 
-def find_compiler(cc: str | None = None) -> Compiler:
+def describe_compiler(cc: str | None = None) -> Compiler:
     """The compiler builds will use (see compiler_path) and its id. A named compiler that is missing gives NONE:
     probing never fails for it, builds report it."""
     try:
