@@ -461,7 +461,7 @@ def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int =
         for i, case in enumerate(cases):
             spec = specs[case.kernel]
             space = spec.space(case.shape, held_out_hw(case, hws))
-            top = LLMStrategy(space, kernel=get_spec(case.kernel), proposer=prop, k=k, pool=pool).ask(k)[:k]
+            top = LLMStrategy(space, kernel=spec, proposer=prop, k=k, pool=pool).ask(k)[:k]
             lists, control, ref_ms = measure_lists(runner, spec, case, space.hw, {"llm": top}, rounds, seed=i)
             ratios = lists["llm"]
             hit = next((n + 1 for n, r in enumerate(ratios) if r is not None and r <= 1.05), None)

@@ -79,7 +79,7 @@ class Problem:
         return f"{self.file}: {self.key + ': ' if self.key else ''}{self.message}"
 
 
-Check = Callable[[Any], "str | None"]  # a value check: the problem, or None
+Check = Callable[[Any], str | None]  # a value check: the problem, or None
 Source = Callable[[str], str]  # the file that set a dotted key ("(defaults)" when none did)
 
 
@@ -161,6 +161,7 @@ class _Schema:
 
 
 def _copy(f: Any) -> Any:
+    """A fresh field with `f`'s default, for the Config dataclass."""
     return field(default=f.default) if f.default is not MISSING else field(default_factory=f.default_factory)
 
 
@@ -169,7 +170,8 @@ def _schema() -> _Schema:
     top: list[tuple[str, Any, Any]] = []
     tables: list[tuple[str, Any, Any]] = []
     checks: dict[str, Check] = {}
-    for s in sections():
+    secs = sections()
+    for s in secs:
         if s.name:
             tables.append((s.name, s.cls, field(default_factory=s.cls)))
         else:
@@ -180,7 +182,7 @@ def _schema() -> _Schema:
     if len(set(names)) != len(names):
         raise RuntimeError(f"config sections declare a key twice: {sorted(n for n in names if names.count(n) > 1)}")
     cls = make_dataclass("Config", top + tables, bases=(Config,))
-    return _Schema(cls, checks, [s.cross for s in sections() if s.cross])
+    return _Schema(cls, checks, [s.cross for s in secs if s.cross])
 
 
 def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
