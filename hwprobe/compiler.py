@@ -21,13 +21,13 @@ class CompilerMissing(EdgetuneError):
 def compiler_path(cc: str | None = None, *, fallback: str | None = None) -> str:
     """The C compiler to run: `cc`, else $CC, else `fallback` (the probed compiler's path), else the first of
     cc, gcc, clang on PATH. A named compiler that is missing is an error naming it, never a silent substitute."""
-    for named, source in ((cc, "the given compiler"), (os.environ.get("CC"), "$CC"), (fallback, "the probe")):
+    for named, source in ((cc, "asked for"), (os.environ.get("CC"), "$CC"), (fallback, "probed")):
         if not named:
             continue
         path = shutil.which(named)
         if path is None:
             flags = " (it names one program: flags such as -O2 do not belong in it)" if " " in named.strip() else ""
-            raise CompilerMissing(f"C compiler {named!r} (from {source}) not found{flags}; install one "
+            raise CompilerMissing(f"C compiler {named!r} ({source}) not found{flags}; install one "
                                   "(e.g. `apt-get install gcc`) or point CC at it")
         return path
     path = next((p for p in map(shutil.which, DEFAULTS) if p), None)
