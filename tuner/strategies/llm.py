@@ -79,7 +79,7 @@ class LLMStrategy(Strategy):
         self.phase = "propose"
         self.proposals: list[Config] = []
         self.logprobs: dict[str, float] = {}
-        self.results: dict[str, Measurement] = {}
+        self.results: dict[str, Measurement] = {}  # measurements of the model's proposals
         self.widened = False
         self.refiner: Anneal | None = None
         self.since_best = 0
@@ -203,7 +203,8 @@ class LLMStrategy(Strategy):
     def tell(self, cfg: Config, m: Measurement) -> None:
         before = self.best[0] if self.best else None
         super().tell(cfg, m)
-        self.results[config_key(cfg)] = m
+        if config_key(cfg) in self.logprobs:  # only the model's proposals are compared (_far_apart)
+            self.results[config_key(cfg)] = m
         if self.fallback is not None:
             self.fallback.tell(cfg, m)
             return
