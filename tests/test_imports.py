@@ -4,7 +4,7 @@ Read from the source (ast), not from what happens to be imported at run time, so
 counts as much as one at the top. `from pkg import name` is an import of `pkg.name` when that is a module, else of
 `pkg` (as import-linter reads it). Tests and bench/ may import anything. The base reaches the packages above it
 only through the module names they register by (edgetune.main's VERB_MODULES, edgetune.config's SECTION_MODULES),
-loaded by the entry point, never imported by a base module's own code.
+loaded by name at run time, as plugins are: no base module depends on their code.
 """
 
 from __future__ import annotations
