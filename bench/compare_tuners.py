@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.registry import all_specs  # noqa: E402
+from kernels.registry import all_specs, get_spec  # noqa: E402
 from kernels.space import Config, config_key  # noqa: E402
 from tuner.evaluate import Measured, Replay, TableSpace  # noqa: E402
 from tuner.train import data as D  # noqa: E402
@@ -105,9 +105,9 @@ def run_builtin(name: str, ev: Replay, budget: int, seed: int) -> tuple[list[flo
 
 
 def run_llm(ev: Replay, budget: int, seed: int, kernel: str, proposer) -> tuple[list[float], float]:
-    from tuner.llm import LLMStrategy
+    from tuner.strategies.llm import LLMStrategy
 
-    s = LLMStrategy(ev.space(), seed, kernel=kernel, proposer=proposer, refine_patience=budget)
+    s = LLMStrategy(ev.space(), seed, kernel=get_spec(kernel), proposer=proposer, refine_patience=budget)
     # the proposer sees the table through the space's constraints (prefix-pruned), like every other strategy
     traj = run_askteller(s, ev, budget, batch=5)
     return traj, (s.latency_ms or 0.0) / 1e3
@@ -269,7 +269,7 @@ def replay(cases: list[D.Case], strategies: list[str], budget: int, seeds: int, 
            compile_s: dict[tuple[str, str], float]) -> dict:
     proposer = None
     if "llm" in strategies:
-        from tuner.llm import load_proposer
+        from tuner.strategies.llm import load_proposer
 
         proposer = load_proposer(model)
     per: dict[str, list[dict]] = {s: [] for s in strategies}
@@ -393,7 +393,7 @@ def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int =
     This is the product path (the full space, not the replay table): a proposal the collection never measured
     counts at its real speed. A proposal faster than the best-known counts as within 5%."""
     from kernels.worker import Runner
-    from tuner.llm import LLMStrategy, load_proposer
+    from tuner.strategies.llm import LLMStrategy, load_proposer
 
     specs = all_specs()
     prop = load_proposer(model)
@@ -403,7 +403,7 @@ def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int =
         for i, case in enumerate(cases):
             spec = specs[case.kernel]
             space = spec.space(case.shape, held_out_hw(case, hws))
-            top = LLMStrategy(space, kernel=case.kernel, proposer=prop, k=k, pool=pool).ask(k)[:k]
+            top = LLMStrategy(space, kernel=spec, proposer=prop, k=k, pool=pool).ask(k)[:k]
             lists, control, ref_ms = measure_lists(runner, spec, case, space.hw, {"llm": top}, rounds, seed=i)
             ratios = lists["llm"]
             hit = next((n + 1 for n, r in enumerate(ratios) if r is not None and r <= 1.05), None)
@@ -419,7 +419,7 @@ def latency_and_rss(cases: list[D.Case], model: Path | None) -> dict:
     """Proposal latency on the full spaces (the product path, 1 thread) and process RSS with the model loaded."""
     import psutil
 
-    from tuner.llm import load_proposer
+    from tuner.strategies.llm import load_proposer
 
     prop = load_proposer(model)
     lat, calls = [], []
@@ -432,7 +432,7 @@ def latency_and_rss(cases: list[D.Case], model: Path | None) -> dict:
         calls += ms
         lat.append(statistics.median(ms))
     # RSS of a clean process on the product path (what `edgetune propose` / the tuner load), not this bench's
-    code = ("import psutil, resource; from tuner.llm import load_proposer; from hwprobe import probe; "
+    code = ("import psutil, resource; from tuner.strategies.llm import load_proposer; from hwprobe import probe; "
             "from kernels.registry import get_spec; s = get_spec('gemm'); p = load_proposer(None); "
             "p.propose('gemm', s.space(s.workloads[0].shape, probe(measure_bandwidth=False)), 5); "
             "print(psutil.Process().memory_info().rss / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3)")

@@ -52,7 +52,7 @@ def collect(rounds: int) -> list[dict]:
     from kernels.build import CompileError
     from kernels.worker import Runner
     from tuner.evaluate import Measured
-    from tuner.llm import LLMStrategy, load_proposer
+    from tuner.strategies.llm import LLMStrategy, load_proposer
 
     _, held = D.split_cases(D.load_collector(D.DEFAULT_DATA))
     held.sort(key=lambda c: (c.kernel, c.isa, c.workload))
@@ -62,7 +62,7 @@ def collect(rounds: int) -> list[dict]:
             spec = specs[case.kernel]
             hw = hws.get(case.isa) or hws.setdefault(case.isa, probe(isa_cap=case.isa, measure_bandwidth=False))
             space = spec.space(case.shape, hw)
-            top = LLMStrategy(space, kernel=case.kernel, proposer=prop, k=5).ask(5)[:5]
+            top = LLMStrategy(space, kernel=spec, proposer=prop, k=5).ask(5)[:5]
             default = space.valid_default()
             cfgs = list({config_key(c): c for c in [*top, case.ranked()[0][0], default]}.values())
             ev = Measured(spec=spec, shape=case.shape, hw=hw, runner=runner)

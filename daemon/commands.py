@@ -77,10 +77,11 @@ def check_args(op: str, args: Any) -> dict:
         if k in args:
             _str_list(k, args[k])
     if "strategy" in args:
-        from tuner.strategies import STRATEGIES
+        from tuner.strategies import unknown_strategy
 
-        if not isinstance(args["strategy"], str) or args["strategy"] not in STRATEGIES:
-            raise Rejected(f"bad args: strategy must be one of {', '.join(STRATEGIES)}")
+        problem = unknown_strategy(args["strategy"])
+        if problem:
+            raise Rejected(f"bad args: {problem}")
     if "budget" in args and not (type(args["budget"]) is int and 1 <= args["budget"] <= 100_000):
         raise Rejected("bad args: budget must be an integer 1-100000 (evals per workload)")
     if "force" in args and not isinstance(args["force"], bool):

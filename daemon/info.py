@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from edgetune.config import TuningConfig
+from tuner.config import TuningConfig
 from edgetune import __version__
 from edgetune.protocol import OPS
 from kernels.registry import all_specs

@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol
 from daemon import tunejob
 from daemon.store import results_db
 from daemon.targets import Target
+from hwprobe.power.config import PowerConfig
 from tuner.db import ResultsDB
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class Job:
     command_ids: list[str] = field(default_factory=list)
     wait_idle: bool = False
     objective: str = "latency"
-    power: dict = field(default_factory=dict)  # the [power] meter config, for energy/edp objectives
+    power: PowerConfig = field(default_factory=PowerConfig)  # the [power] meter, for energy/edp objectives
 
     def merge(self, later: "Job") -> None:
         """Coalesce a later request: union of targets (force if either forces), the later strategy and budget."""

@@ -19,7 +19,7 @@ from typing import Any
 from edgetune import config as config_mod
 from daemon import firmware, records, sdnotify, targets
 from daemon.commands import JOURNAL_KEEP_S, TERMINAL, Command, Commands
-from edgetune.config import DaemonConfig
+from edgetune.config import Config
 from daemon.control import ControlServer
 from daemon.info import info_doc, model_info
 from daemon.mqtt import Link
@@ -42,7 +42,7 @@ PROGRESS_EVERY_S = 0.5  # in_progress responses per command, at most this often
 
 
 class Daemon:
-    def __init__(self, cfg: DaemonConfig, config_path: str | None):
+    def __init__(self, cfg: Config, config_path: str | None):
         self.cfg, self.config_path = cfg, config_path
         self._wake = threading.Event()
         self._stop = False

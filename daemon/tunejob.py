@@ -19,7 +19,11 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hwprobe.power import PowerConfig
 
 PR_SET_PDEATHSIG = 1
 
@@ -29,10 +33,10 @@ class Stopping(Exception):
 
 
 def request(spec: Any, wl: Any, *, force: bool, strategy: str, budget: int, origin: str, hw: Any,
-            objective: str = "latency", power: dict | None = None) -> dict:
+            objective: str = "latency", power: PowerConfig | None = None) -> dict:
     return {"kernel": spec.name, "workload": {"name": wl.name, "shape": wl.shape, "source": wl.source},
             "force": force, "strategy": strategy, "budget": budget, "origin": origin, "hw": hw.to_dict(),
-            "objective": objective, "power": power or {}}
+            "objective": objective, "power": asdict(power) if power else {}}
 
 
 def _die_with_parent(parent: int) -> None:

@@ -1,8 +1,9 @@
 """The config: TOML at <config_dir>/edgetune.toml plus conf.d/*.toml merged in name order, or one --config file.
 
-It lives in the base package because verbs of several layers read it (the daemon; `tune --objective` reads
-[power]). Checks that need a higher layer's vocabulary (strategies, workload files, power meters) import it
-lazily, only while checking.
+The base owns the loader and the problem reporting, not the vocabulary: each package declares its own sections
+(a dataclass whose fields are the keys, value checks, checks across keys) in a module listed in SECTION_MODULES,
+as each package registers its own verbs (edgetune.main). The base itself declares the device id and [mqtt], the
+settings of the broker link.
 
 Every problem is collected with its file and key instead of stopping at the first, so `edgetune config check` can
 show an operator the whole list in one go. A key whose value is wrong is reported and left at its default.
@@ -10,12 +11,15 @@ show an operator the whole list in one go. A key whose value is wrong is reporte
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import re
 import socket
 import tomllib
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,33 +28,17 @@ from edgetune.broker import PROTOCOLS, BrokerSettings
 from edgetune.errors import BadInput
 from edgetune.protocol import ID_MAX, ID_RE, ID_RULE
 
-OBJECTIVES = ("latency", "energy", "edp")  # what tuning minimises (tuner.objective)
+# Each module exposes SECTIONS, a list of Section; this order (after the base's own) is the order of the keys in
+# `config check --json` and of the problems across keys.
+SECTION_MODULES = ["daemon.config", "tuner.config", "hwprobe.power.config"]
 MACHINE_ID = Path("/etc/machine-id")
 
 
 @dataclass
-class OutboxConfig:
-    max_bytes: int = 64 * 1024 * 1024
-    max_age_s: float = 7 * 86400.0  # telemetry older than this is dropped; records and results never are
+class DeviceConfig:
+    """The top-level keys the base owns."""
 
-
-@dataclass
-class TuningConfig:
-    strategy: str = "llm"  # the tuner model; falls back to anneal without a usable model
-    budget: int = 40  # evals per workload
-    workloads: list[str] = field(default_factory=lambda: ["bundled", str(paths.config_dir() / "workloads.d/*.toml")])
-    objective: str = "latency"
-
-
-@dataclass
-class DaemonConfig:
     device_id: str = ""  # empty: derived from /etc/machine-id (hashed), else the hostname
-    telemetry_interval_s: float = 60.0
-    idle_load_threshold: float = 0.5  # load1 per core under which background tuning runs
-    mqtt: BrokerSettings = field(default_factory=BrokerSettings)
-    outbox: OutboxConfig = field(default_factory=OutboxConfig)
-    tuning: TuningConfig = field(default_factory=TuningConfig)
-    power: dict = field(default_factory=dict)  # [power]: the meter, checked by hwprobe.power.meter_from_config
 
 
 @dataclass(frozen=True)
@@ -63,24 +51,37 @@ class Problem:
         return f"{self.file}: {self.key + ': ' if self.key else ''}{self.message}"
 
 
+Check = Callable[[Any], str | None]  # a value check: the problem, or None
+Source = Callable[[str], str]  # the file that set a dotted key ("(defaults)" when none did)
+
+
+class Config:
+    """A loaded config: the top-level keys and one attribute per table (`cfg.tuning.budget`), as the registered
+    sections declare them."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """One package's part of the config."""
+
+    name: str  # its TOML table; "" puts the dataclass's fields among the top-level keys
+    cls: type  # a dataclass: its fields are the keys, their type hints are checked
+    checks: Mapping[str, Check] = field(default_factory=dict)  # value checks by key (dotted into sub-tables)
+    cross: Callable[[Any, Source], list[Problem]] | None = None  # checks across keys, on the whole loaded config
+
+
 @dataclass
 class Loaded:
-    config: DaemonConfig
+    config: Config
     files: list[str]
     problems: list[Problem]
 
 
-def _positive(v: Any) -> str | None:
+def positive(v: Any) -> str | None:
     return None if v > 0 else "must be > 0"
 
 
-def _strategy(v: str) -> str | None:
-    from tuner.strategies import STRATEGIES
-
-    return None if v in STRATEGIES else f"unknown strategy {v!r}; strategies: {', '.join(STRATEGIES)}"
-
-
-def _readable(v: str) -> str | None:
+def readable(v: str) -> str | None:
     p = Path(v)
     if not p.is_file():
         return f"{v} does not exist or is not a file"
@@ -91,28 +92,71 @@ def _readable(v: str) -> str | None:
     return None
 
 
-# value checks by dotted key; each returns the problem or None
-CHECKS: dict[str, Callable[[Any], str | None]] = {
-    "device_id": lambda v: None if ID_RE.fullmatch(v) else
-    f"must be {ID_RULE} (it is an MQTT topic level and the client id)",
-    "telemetry_interval_s": _positive,
-    "idle_load_threshold": _positive,
-    "mqtt.host": lambda v: None if v.strip() else "must not be empty (leave it out for no broker)",
-    "mqtt.port": lambda v: None if 1 <= v <= 65535 else "must be 1-65535",
-    "mqtt.keepalive": lambda v: None if 1 <= v <= 65535 else "must be 1-65535 seconds",
-    "mqtt.will_delay_s": lambda v: None if v >= 0 else "must be >= 0",
-    "mqtt.protocol": lambda v: None if v in PROTOCOLS else f"must be one of: {', '.join(PROTOCOLS)}",
-    "mqtt.reconnect_min_s": _positive,
-    "mqtt.reconnect_max_s": _positive,
-    "mqtt.tls.ca": _readable,
-    "mqtt.tls.cert": _readable,
-    "mqtt.tls.key": _readable,
-    "outbox.max_bytes": lambda v: None if v >= 64 * 1024 else "must be at least 65536",
-    "outbox.max_age_s": _positive,
-    "tuning.strategy": _strategy,
-    "tuning.budget": lambda v: None if 1 <= v <= 100_000 else "must be 1-100000 evals",
-    "tuning.objective": lambda v: None if v in OBJECTIVES else f"must be one of: {', '.join(OBJECTIVES)}",
-}
+def _mqtt_pairs(cfg: Any, src: Source) -> list[Problem]:
+    out = []
+    tls = cfg.mqtt.tls
+    if tls.cert and not tls.key:
+        out.append(Problem(src("mqtt.tls.cert"), "mqtt.tls.key", "a client cert needs its key"))
+    if tls.key and not tls.cert:
+        out.append(Problem(src("mqtt.tls.key"), "mqtt.tls.cert", "a client key needs its cert"))
+    if cfg.mqtt.password is not None and cfg.mqtt.username is None:
+        out.append(Problem(src("mqtt.password"), "mqtt.username", "a password needs a username"))
+    return out
+
+
+BASE_SECTIONS = [
+    Section("", DeviceConfig, {"device_id": lambda v: None if ID_RE.fullmatch(v) else
+            f"must be {ID_RULE} (it is an MQTT topic level and the client id)"}),
+    Section("mqtt", BrokerSettings, {
+        "host": lambda v: None if v.strip() else "must not be empty (leave it out for no broker)",
+        "port": lambda v: None if 1 <= v <= 65535 else "must be 1-65535",
+        "keepalive": lambda v: None if 1 <= v <= 65535 else "must be 1-65535 seconds",
+        "will_delay_s": lambda v: None if v >= 0 else "must be >= 0",
+        "protocol": lambda v: None if v in PROTOCOLS else f"must be one of: {', '.join(PROTOCOLS)}",
+        "reconnect_min_s": positive,
+        "reconnect_max_s": positive,
+        "tls.ca": readable,
+        "tls.cert": readable,
+        "tls.key": readable,
+    }, _mqtt_pairs),
+]
+
+
+def sections() -> list[Section]:
+    """The base's sections, then those of every SECTION_MODULES module, in that order."""
+    return BASE_SECTIONS + [s for name in SECTION_MODULES for s in importlib.import_module(name).SECTIONS]
+
+
+@dataclass(frozen=True)
+class _Schema:
+    cls: type  # the Config dataclass: every section's top-level keys, then one field per table
+    checks: dict[str, Check]  # by full dotted key
+    cross: list[Callable[[Any, Source], list[Problem]]]
+
+
+def _copy(f: Any) -> Any:
+    """A fresh field with `f`'s default, for the Config dataclass."""
+    return field(default=f.default) if f.default is not MISSING else field(default_factory=f.default_factory)
+
+
+@functools.cache
+def _schema() -> _Schema:
+    top: list[tuple[str, Any, Any]] = []
+    tables: list[tuple[str, Any, Any]] = []
+    checks: dict[str, Check] = {}
+    secs = sections()
+    for s in secs:
+        if s.name:
+            tables.append((s.name, s.cls, field(default_factory=s.cls)))
+        else:
+            hints = typing.get_type_hints(s.cls)
+            top += [(f.name, hints[f.name], _copy(f)) for f in fields(s.cls)]
+        checks.update({(s.name + "." if s.name else "") + k: c for k, c in s.checks.items()})
+    names = [n for n, _, _ in top + tables]
+    if len(set(names)) != len(names):
+        raise RuntimeError(f"config sections declare a key twice: {sorted(n for n in names if names.count(n) > 1)}")
+    cls = make_dataclass("Config", top + tables, bases=(Config,))
+    return _Schema(cls, checks, [s.cross for s in secs if s.cross])
 
 
 def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
@@ -122,8 +166,6 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
         return _type_ok(value, next(a for a in args if a is not type(None)))
     if typing.get_origin(hint) is list:
         return isinstance(value, list) and all(isinstance(x, str) for x in value), value
-    if hint is dict:
-        return isinstance(value, dict), value
     if hint is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         return ok, float(value) if ok else value
@@ -140,7 +182,7 @@ def _type_name(hint: Any) -> str:
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(h, str(h))
 
 
-def _walk(raw: dict, cls: type, prefix: str, file: str, problems: list[Problem]) -> dict:
+def _walk(raw: dict, cls: type, prefix: str, file: str, problems: list[Problem], checks: dict[str, Check]) -> dict:
     """Check one file's table against a dataclass; returns only the keys that passed, for merging."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
@@ -156,13 +198,13 @@ def _walk(raw: dict, cls: type, prefix: str, file: str, problems: list[Problem])
             if not isinstance(v, dict):
                 problems.append(Problem(file, key, f"must be a table ([{key}])"))
                 continue
-            out[k] = _walk(v, hint, key + ".", file, problems)
+            out[k] = _walk(v, hint, key + ".", file, problems, checks)
             continue
         ok, v = _type_ok(v, hint)
         if not ok:
             problems.append(Problem(file, key, f"must be {_type_name(hint)}, not {v!r}"))
             continue
-        msg = CHECKS.get(key, lambda _: None)(v)
+        msg = checks.get(key, lambda _: None)(v)
         if msg:
             problems.append(Problem(file, key, msg))
             continue
@@ -205,6 +247,7 @@ def config_files(path: str | Path | None) -> list[Path]:
 
 def load(path: str | Path | None = None) -> Loaded:
     """Read and check the config; never raises for config problems (they are in .problems)."""
+    schema = _schema()
     problems: list[Problem] = []
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -221,45 +264,17 @@ def load(path: str | Path | None = None) -> Loaded:
         except tomllib.TOMLDecodeError as e:
             problems.append(Problem(str(f), "", f"not valid TOML: {e}"))  # tomllib names line and column
             continue
-        _merge(merged, _walk(raw, DaemonConfig, "", str(f), problems), sources, str(f))
-    cfg = _build(DaemonConfig, merged)
-    problems += _cross_checks(cfg, sources)
+        _merge(merged, _walk(raw, schema.cls, "", str(f), problems, schema.checks), sources, str(f))
+    cfg = _build(schema.cls, merged)
+    src = lambda key: sources.get(key, "(defaults)")  # noqa: E731
+    for cross in schema.cross:  # checks across keys, each reported at the file that set the key
+        problems += cross(cfg, src)
     if not cfg.device_id:
         cfg.device_id = default_device_id()
     return Loaded(cfg, [str(f) for f in files], problems)
 
 
-def _cross_checks(cfg: DaemonConfig, sources: dict[str, str]) -> list[Problem]:
-    """Checks that span keys, each reported at the file that set the key."""
-    out = []
-    src = lambda key: sources.get(key, "(defaults)")  # noqa: E731
-    tls = cfg.mqtt.tls
-    if tls.cert and not tls.key:
-        out.append(Problem(src("mqtt.tls.cert"), "mqtt.tls.key", "a client cert needs its key"))
-    if tls.key and not tls.cert:
-        out.append(Problem(src("mqtt.tls.key"), "mqtt.tls.cert", "a client key needs its cert"))
-    if cfg.mqtt.password is not None and cfg.mqtt.username is None:
-        out.append(Problem(src("mqtt.password"), "mqtt.username", "a password needs a username"))
-    try:
-        from kernels.workload_files import load_workload_files
-
-        if not load_workload_files(cfg.tuning.workloads):
-            out.append(Problem(src("tuning.workloads"), "tuning.workloads", "selects no workloads"))
-    except BadInput as e:
-        out.append(Problem(src("tuning.workloads"), "tuning.workloads", str(e)))
-    from hwprobe.power import meter_from_config
-
-    try:
-        meter = meter_from_config(cfg.power)
-        if cfg.tuning.objective != "latency" and meter is None:
-            out.append(Problem(src("tuning.objective"), "tuning.objective",
-                               f"{cfg.tuning.objective!r} needs a power meter: set [power] meter (text, um or rapl)"))
-    except BadInput as e:
-        out.append(Problem(src("power.meter"), "power", str(e)))
-    return out
-
-
-def load_or_raise(path: str | Path | None = None) -> DaemonConfig:
+def load_or_raise(path: str | Path | None = None) -> Config:
     loaded = load(path)
     if loaded.problems:
         raise BadInput("config has problems (run `edgetune config check`):\n  "

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hwprobe import bandwidth, cpuinfo, isa
 from hwprobe.caches import probe_caches
-from hwprobe.compiler import find_compiler
+from hwprobe.compiler import describe_compiler
 from hwprobe.cores import count_cores, online, usable_cpus
 from hwprobe.descriptor import HwDescriptor
 from hwprobe.fingerprint import fw_fingerprint, hw_fingerprint
@@ -29,7 +29,7 @@ def probe(
     caches = probe_caches(root, usable, cpu.core_kind, live)
     mem = mem_total_bytes(root)
     llc = max((c.size_bytes or 0 for c in caches), default=None)
-    compiler = find_compiler(cc)
+    compiler = describe_compiler(cc)
     firmware = firmware_info(root, live)
     fp = hw_fingerprint(cpu.arch, cpu.model, level.isa, level.features, caches, cores, compiler.id)
     # bandwidth does not depend on an ISA cap: remember it under the uncapped device's fingerprint

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -15,14 +14,11 @@ from typing import Any, Iterable
 
 from edgetune import paths
 from edgetune.errors import EdgetuneError
+from hwprobe.compiler import compiler_path
 from kernels.space import Config, Shape
-from kernels.spec import C_DIR, HEADER, KernelSpec
+from kernels.spec import C_DIR, KernelSpec
 
 COMPILE_TIMEOUT_S = 60.0
-
-
-class CompilerMissing(EdgetuneError):
-    """No C compiler: nothing can be built until one is installed."""
 
 
 class CompileError(EdgetuneError):
@@ -46,17 +42,6 @@ def knob_flags(cfg: Config) -> list[str]:
     return flags
 
 
-def find_compiler(hw: Any = None) -> str:
-    cc = os.environ.get("CC") or (hw.compiler.path if hw is not None and hw.compiler.path else None)
-    cc = shutil.which(cc) if cc else (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
-    if not cc:
-        raise CompilerMissing(
-            "no C compiler found (looked at $CC, cc, gcc, clang); install one (e.g. `apt-get install gcc`) "
-            "or point CC at it"
-        )
-    return cc
-
-
 def shape_flags(spec: KernelSpec, shape: Shape | None) -> list[str]:
     """The spec's baked dims of `shape` as -DET_SHAPE_<DIM>=v (none without a shape: the build serves any shape)."""
     return [f"-DET_SHAPE_{d.upper()}={int(shape[d])}" for d in spec.baked_dims] if shape else []
@@ -74,11 +59,9 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
           timeout_s: float = COMPILE_TIMEOUT_S) -> Build:
     """Build (or reuse) the .so for `cfg`, specialised to `shape`'s baked dims when given (it then runs only
     shapes that agree on them). The key covers source, headers, flags, knobs and compiler id."""
-    cc = find_compiler(hw)
+    cc = compiler_path(fallback=hw.compiler.path)
     probe_cmd = compile_command(spec, cfg, hw, Path("OUT"), cc, shape)
-    h = hashlib.sha256()
-    for p in (spec.source, HEADER, *spec.extra_headers):
-        h.update(p.read_bytes())
+    h = hashlib.sha256(spec.source_hash().encode())
     h.update("\0".join(probe_cmd[1:]).encode())
     h.update(hw.compiler.id.encode())
     key = h.hexdigest()[:20]
@@ -100,7 +83,8 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         lines = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines()
-        raise CompileError(f"{spec.name} {cfg}: compiler failed: " + "\n".join(lines[:8]))
+        why = "\n".join(lines[:8]) or f"{cc} exited with status {proc.returncode} and printed nothing"
+        raise CompileError(f"{spec.name} {cfg}: compiler failed: {why}")
     os.replace(tmp, out)  # atomic: a concurrent builder of the same key is harmless
     return Build(out, key, time.perf_counter() - t0, False)
 

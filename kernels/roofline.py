@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetune import paths
-from kernels.build import find_compiler
+from hwprobe.compiler import compiler_path
 
 _PEAK_SRC = r"""
 #include <stdio.h>
@@ -54,7 +54,7 @@ def peak_gflops_per_core(hw: Any) -> float | None:
     if cache.exists():
         return json.loads(cache.read_text())["gflops"]
     try:
-        cc = find_compiler(hw)
+        cc = compiler_path(fallback=hw.compiler.path)
         with tempfile.TemporaryDirectory() as d:
             src, exe = Path(d) / "peak.c", Path(d) / "peak"
             src.write_text(_PEAK_SRC)

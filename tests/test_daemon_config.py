@@ -64,3 +64,25 @@ def test_daemon_refuses_a_bad_config(tmp_path):
     bad = write(tmp_path / "bad.toml", "telemetry_interval_s = -1\n")
     r = DaemonProc(bad).cli("daemon", "--config", str(bad))
     assert r.returncode == 2 and "telemetry_interval_s" in r.stderr
+
+
+def test_power_is_a_typed_section_checked_by_its_package(tmp_path):
+    from hwprobe.power import PowerConfig, RaplMeter, meter_from_config
+
+    ok = write(tmp_path / "ok.toml", '[tuning]\nobjective = "energy"\nworkloads = ["bundled"]\n'
+                                     '[power]\nmeter = "rapl"\nzone = "/sys/class/powercap/intel-rapl:0"\nidle_s = 2\n')
+    loaded = config.load(ok)
+    assert loaded.problems == []
+    power = loaded.config.power
+    assert isinstance(power, PowerConfig) and (power.meter, power.idle_s, power.port) == ("rapl", 2.0, None)
+    assert isinstance(meter_from_config(power), RaplMeter)
+
+    bad = write(tmp_path / "bad.toml", '[tuning]\nobjective = "energy"\nworkloads = ["bundled"]\n'
+                                       '[power]\nmeter = "rapl"\nport = "/dev/ttyUSB0"\nidle_s = "long"\n')
+    got = {(p.key, p.message) for p in config.load(bad).problems}
+    assert got == {("power.idle_s", "must be a number, not 'long'"),
+                   ("power", "power: unknown key(s) for meter 'rapl': port")}  # not also "needs a power meter"
+
+    none = write(tmp_path / "none.toml", '[tuning]\nobjective = "edp"\nworkloads = ["bundled"]\n')
+    assert [(p.key, p.message) for p in config.load(none).problems] == [
+        ("tuning.objective", "'edp' needs a power meter: set [power] meter (text, um or rapl)")]

@@ -15,7 +15,7 @@ from kernels.measure import Measurement
 from kernels.registry import get_spec
 from kernels.space import config_key
 from tuner.db import ResultsDB
-from tuner.llm import LLMStrategy, _PROPOSERS
+from tuner.strategies.llm import LLMStrategy, _PROPOSERS
 from tuner.model.inference import default_model_path
 from tuner.session import Budget, Session
 from tuner.strategies import STRATEGIES, make_strategy
@@ -33,7 +33,7 @@ def test_llm_is_registered_and_default():
 
 def test_llm_proposes_top_k_then_refines_and_stops(hw):
     space = GEMM.space(GEMM.workload("mobilenetv2.b6.project").shape, hw)
-    s = make_strategy("llm", space, 0)
+    s = make_strategy("llm", space, 0, kernel=GEMM)
     assert isinstance(s, LLMStrategy) and s.fallback is None
     assert s.proposer.m.info.sha256[:12] in s.version  # results are keyed by the model
     first = s.ask(2)
@@ -54,7 +54,7 @@ def test_llm_proposes_top_k_then_refines_and_stops(hw):
 
 def test_llm_widens_when_proposals_measure_far_apart(hw):
     space = GEMM.space(GEMM.workload("mobilenetv2.b2.expand").shape, hw)
-    s = LLMStrategy(space, 0)
+    s = LLMStrategy(space, 0, kernel=GEMM)
     first = s.ask(2)
     for i, c in enumerate(first):  # the model's first pick is 10x the best: its ranking is off here
         s.tell(c, Measurement(ok=True, ms=10.0 if i == 0 else 1.0))
@@ -83,8 +83,8 @@ def test_damaged_model_falls_back_to_anneal_and_tuning_completes(damage, tmp_pat
     elif damage == "random-bytes":
         bad.write_bytes(b"GGUF" + os.urandom(len(data) - 4))  # right magic, garbage after it
     monkeypatch.setenv("EDGETUNE_MODEL", str(bad))
-    with caplog.at_level(logging.WARNING, logger="tuner.llm"):
-        s = make_strategy("llm", GEMM.space(FC.shape, hw), 0)
+    with caplog.at_level(logging.WARNING, logger="tuner.strategies.llm"):
+        s = make_strategy("llm", GEMM.space(FC.shape, hw), 0, kernel=GEMM)
     assert s.fallback is not None and "anneal-fallback" in s.version
     assert any(str(bad) in r.getMessage() and "falls back to anneal" in r.getMessage() for r in caplog.records)
     res = Session(ResultsDB(tmp_path / "r.db"), runner, hw).tune(GEMM, FC, strategy="llm", budget=Budget(evals=4),

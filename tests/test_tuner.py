@@ -129,6 +129,25 @@ def test_anneal_improves_on_synthetic_objective(hw):
     assert a.best[0] <= _fake_measure(space.default).ms
 
 
+def test_a_strategy_name_is_checked_by_the_registry_everywhere(hw, tmp_path):
+    """make_strategy, the config and the daemon's commands all refuse a name with the registry's one message."""
+    from daemon.commands import Rejected, check_args
+    from edgetune import config
+    from tuner.strategies import STRATEGIES, unknown_strategy
+
+    msg = unknown_strategy("magic")
+    assert "'magic'" in msg and all(name in msg for name in STRATEGIES) and unknown_strategy("anneal") is None
+    with pytest.raises(BadInput) as e:
+        make_strategy("magic", GEMM.space(SMALL.shape, hw))
+    assert str(e.value) == msg
+    with pytest.raises(Rejected) as e:
+        check_args("retune", {"strategy": "magic"})
+    assert str(e.value) == f"bad args: {msg}"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[tuning]\nstrategy = "magic"\nworkloads = ["bundled"]\n')
+    assert [(p.key, p.message) for p in config.load(cfg).problems] == [("tuning.strategy", msg)]
+
+
 # ---- sessions ----------------------------------------------------------------------------------------------
 
 def test_finals_remeasure_only_plausible_winners_and_the_default(hw, runner):

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from kernels.build import CompileError, CompilerMissing, build
+from hwprobe.compiler import CompilerMissing
+from kernels.build import CompileError, build
 from kernels.measure import estimate
 from kernels.registry import get_spec
 from kernels.spec import C_DIR
@@ -64,6 +65,17 @@ def test_no_compiler_names_the_fix(hw, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(CompilerMissing, match="install one"):
         build(GEMM, {**GEMM.default, "kc": 64}, dataclasses.replace(hw, compiler=dataclasses.replace(hw.compiler, path=None)))
+
+
+def test_a_bad_cc_is_named(hw, monkeypatch, tmp_path):
+    """A CC with flags in it, and a CC that fails without a word: both errors say what CC was."""
+    monkeypatch.setenv("CC", "gcc -O2")
+    with pytest.raises(CompilerMissing, match=r"'gcc -O2' \(\$CC\) not found .*flags such as -O2"):
+        build(GEMM, GEMM.default, hw)
+    monkeypatch.setenv("CC", "/bin/false")
+    spec = _variant(tmp_path, "silent", "")  # a source of its own: no cached build answers for it
+    with pytest.raises(CompileError, match="compiler failed: /bin/false exited with status 1 and printed nothing"):
+        build(spec, spec.default, hw)
 
 
 def test_workers_are_recycled_per_distinct_library(hw):

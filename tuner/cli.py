@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edgetune.config import OBJECTIVES, config_files, load_or_raise
+from edgetune.config import config_files, load_or_raise
 from edgetune.errors import BadInput, EdgetuneError
 from hwprobe.power import meter_from_config
 from edgetune.output import console, emit, fmt, json_flag, progress, table
@@ -22,11 +22,9 @@ from tuner import active
 from tuner.db import ResultsDB
 from tuner.evaluate import Measured
 from tuner.export import to_c_header
-from tuner.objective import Objective
+from tuner.objective import OBJECTIVES, Objective
 from tuner.session import Budget, Session
-from tuner.strategies import STRATEGIES
-
-DEFAULT_STRATEGY = "llm"
+from tuner.strategies import DEFAULT_STRATEGY, STRATEGIES, check_strategy
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -135,8 +133,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise BadInput(f"--budget must be a positive number of evaluations, got {args.budget}")
     if args.seconds is not None and args.seconds <= 0:
         raise BadInput(f"--seconds must be positive, got {args.seconds}")
-    if args.strategy not in STRATEGIES:
-        raise BadInput(f"unknown strategy {args.strategy!r}; strategies: {', '.join(STRATEGIES)}")
+    check_strategy(args.strategy)
     targets = select_targets(args.kernel, args.workload, args.shape, args.workloads)
     if not targets:
         raise BadInput("nothing to tune: the selection matched no workload")

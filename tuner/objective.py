@@ -10,12 +10,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgetune.config import OBJECTIVES
 from edgetune.errors import BadInput
 from kernels.measure import Measurement
 
 log = logging.getLogger(__name__)
 
+OBJECTIVES = ("latency", "energy", "edp")
 ENERGY_WINDOW_S = 0.5  # a timed window must span several meter samples
 
 

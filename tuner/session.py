@@ -121,7 +121,7 @@ class Session:
         objective = objective or Objective()
         ev = self.evaluators(spec, wl, objective)
         space = ev.space()
-        strat = strategy_obj or make_strategy(strategy, space, seed)
+        strat = strategy_obj or make_strategy(strategy, space, seed, kernel=spec)
         rkey = ResultKey.of(spec, wl, self.hw, strat.name, strat.version, objective.name,
                             getattr(strat, "model_version", None))
         key = rkey.digest()
@@ -164,7 +164,7 @@ class Session:
                     m.score = m.ms if m.ok else None
                 best_ms = min((m.ms for _, m in evals if m.ok), default=float("inf"))
                 if strategy_obj is None:
-                    strat = make_strategy(strategy, space, seed)
+                    strat = make_strategy(strategy, space, seed, kernel=spec)
                     for c, m in evals:
                         strat.tell(c, m)
             for cfg, m in measured:

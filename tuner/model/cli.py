@@ -44,7 +44,7 @@ def cmd_propose(args: argparse.Namespace) -> int:
     if args.k <= 0:
         raise BadInput(f"-k must be a positive number of configs, got {args.k}")
     from hwprobe import probe
-    from tuner.llm import load_proposer
+    from tuner.strategies.llm import load_proposer
     from tuner.model.inference import ModelError
 
     spec = get_spec(args.kernel)

@@ -148,13 +148,6 @@ class ProposeResult:
     decodes: int
     prompt: str
 
-    def entropy_hint(self) -> float:
-        """Probability mass of the top-1 relative to the top-K: near 1 when the model is sure."""
-        if not self.proposals:
-            return 0.0
-        ps = [math.exp(p.logprob) for p in self.proposals]
-        return ps[0] / sum(ps)
-
 
 class Proposer:
     def __init__(self, model: LlamaModel | None = None, *, path=None, expand_per_decode: int = 8,

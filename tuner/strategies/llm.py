@@ -18,11 +18,15 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernels.measure import TIE_THRESHOLD, Measurement
 from kernels.space import Config, SearchSpace, config_key
-from tuner.strategies import Anneal, _Base
+from tuner.strategies.anneal import Anneal
+from tuner.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from kernels.spec import KernelSpec
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +37,6 @@ DIVERSE_STEPS = 2  # hedged top-K: proposals differ from each other by at least 
 FAR_APART = 1.5  # the model's first pick measures over 1.5x the best proposal: ranking is off -> widen once
 
 _PROPOSERS: dict[str, Any] = {}  # path -> Proposer (or the ModelError it raised): load a model once per process
-
-
-def kernel_of(space: SearchSpace) -> str | None:
-    """The kernel a space belongs to (spec.space() passes the spec's own params tuple)."""
-    from kernels.registry import all_specs
-
-    for name, spec in all_specs().items():
-        if spec.params is space.params or spec.params == space.params:
-            return name
-    return None
 
 
 def load_proposer(path: Path | None = None):
@@ -67,22 +61,23 @@ def load_proposer(path: Path | None = None):
     return hit
 
 
-class LLMStrategy(_Base):
+class LLMStrategy(Strategy):
+    """Without a `kernel` (the spec the space belongs to) the model has nothing to be prompted with: plain anneal."""
+
     name = "llm"
 
-    def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: str | None = None, k: int = DEFAULT_K,
+    def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: KernelSpec | None = None, k: int = DEFAULT_K,
                  model_path: Path | None = None, proposer: Any = None, refine_patience: int = 2, pool: int = 1):
-        super().__init__(space, seed)
+        super().__init__(space, seed, kernel=kernel)
         self.k = k
         self.pool = pool  # the hedged top-K is drawn from the model's exact top-(k*pool)
-        self.kernel = kernel or kernel_of(space)
         self.refine_patience = refine_patience
         self.fallback: Anneal | None = None
         self.proposer = None
         self.phase = "propose"
         self.proposals: list[Config] = []
         self.logprobs: dict[str, float] = {}
-        self.results: dict[str, Measurement] = {}
+        self.results: dict[str, Measurement] = {}  # measurements of the model's proposals
         self.widened = False
         self.refiner: Anneal | None = None
         self.since_best = 0
@@ -112,13 +107,14 @@ class LLMStrategy(_Base):
 
         path = self.proposer.m.path
         if self.kernel is None:
-            raise ModelError(f"tuner model {path}: this search space belongs to no bundled kernel")
-        known = self.proposer.m.info.spaces().get(self.kernel)
+            raise ModelError(f"tuner model {path}: no kernel given for this search space")
+        name = self.kernel.name
+        known = self.proposer.m.info.spaces().get(name)
         mine = {p.name: [str(v) for v in p.values] for p in self.space.params}
         if known is None:
-            raise ModelError(f"tuner model {path} is incompatible: it was not trained on kernel {self.kernel}")
+            raise ModelError(f"tuner model {path} is incompatible: it was not trained on kernel {name}")
         if known != mine:
-            raise ModelError(f"tuner model {path} is incompatible: kernel {self.kernel}'s knobs changed since it "
+            raise ModelError(f"tuner model {path} is incompatible: kernel {name}'s knobs changed since it "
                              "was trained")
 
     # ---- ask / tell ------------------------------------------------------------------------------------------
@@ -127,7 +123,7 @@ class LLMStrategy(_Base):
         from tuner.model.inference import ModelError
 
         try:
-            res = self.proposer.propose(self.kernel, self.space, k)
+            res = self.proposer.propose(self.kernel.name, self.space, k)
         except ModelError as e:
             self._fall_back(f"tuner model {self.proposer.m.path} failed while proposing: {e}")
             return []
@@ -205,7 +201,8 @@ class LLMStrategy(_Base):
     def tell(self, cfg: Config, m: Measurement) -> None:
         before = self.best[0] if self.best else None
         super().tell(cfg, m)
-        self.results[config_key(cfg)] = m
+        if config_key(cfg) in self.logprobs:  # only the model's proposals are compared (_far_apart)
+            self.results[config_key(cfg)] = m
         if self.fallback is not None:
             self.fallback.tell(cfg, m)
             return
@@ -213,7 +210,3 @@ class LLMStrategy(_Base):
             self.refiner.tell(cfg, m)
             improved = m.ok and before is not None and m.value < before * (1 - TIE_THRESHOLD)
             self.since_best = 0 if improved else self.since_best + 1
-
-
-def make_llm(space: SearchSpace, seed: int = 0) -> LLMStrategy:
-    return LLMStrategy(space, seed)
