@@ -10,7 +10,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 from edgetune.errors import BadInput
 
@@ -175,3 +175,26 @@ def config_from_json(text: str, what: str = "config") -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise BadInput(f"{what} must be a JSON object of knobs, got {type(cfg).__name__}")
     return cfg
+
+
+def table_predicate(names: list[str], configs: Iterable[dict]):
+    """A constraint-style predicate "the config is in this table" that also prunes partial configs.
+
+    Partial configs (assigned in space order, as the proposer builds them) are kept while some table config
+    shares their prefix; a full config must be in the table.
+    """
+    prefixes: set[tuple] = set()
+    for c in configs:
+        vals = tuple(c[n] for n in names)
+        for i in range(len(vals) + 1):
+            prefixes.add(vals[:i])
+
+    def ok(c) -> bool:
+        vals = []
+        for n in names:
+            if n not in c:
+                break
+            vals.append(c[n])
+        return tuple(vals) in prefixes
+
+    return ok

@@ -217,7 +217,7 @@ def test_prefix_aware_constraints_are_rechecked_at_every_depth(proposer):
 
     from hwprobe import probe
     from kernels.space import Constraint
-    from tuner.train.data import table_predicate
+    from kernels.space import table_predicate
 
     spec = all_specs()["gru"]
     base = spec.space(spec.workloads[1].shape, probe(isa_cap="x86-64-v2", measure_bandwidth=False))

@@ -223,7 +223,7 @@ class TableSpace(SearchSpace):
     @classmethod
     def over(cls, base: SearchSpace, configs: Iterable[Config]) -> "TableSpace":
         from kernels.space import Constraint
-        from tuner.train.data import table_predicate
+        from kernels.space import table_predicate
 
         cfgs = tuple(configs)
         pred = table_predicate(base.names, cfgs)  # prunes partial configs too, for the proposer's grammar walk

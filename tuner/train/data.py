@@ -218,29 +218,6 @@ def training_examples(train: list[Case], top: int = 12, tau: float = 0.08) -> li
     return out
 
 
-def table_predicate(names: list[str], configs: Iterable[dict]):
-    """A constraint-style predicate "the config is in this table" that also prunes partial configs.
-
-    Partial configs (assigned in space order, as the proposer builds them) are kept while some table config
-    shares their prefix; a full config must be in the table.
-    """
-    prefixes: set[tuple] = set()
-    for c in configs:
-        vals = tuple(c[n] for n in names)
-        for i in range(len(vals) + 1):
-            prefixes.add(vals[:i])
-
-    def ok(c) -> bool:
-        vals = []
-        for n in names:
-            if n not in c:
-                break
-            vals.append(c[n])
-        return tuple(vals) in prefixes
-
-    return ok
-
-
 class HwView:
     """Just enough of an HwDescriptor for constraints and the prompt, from a data row's hw summary."""
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.registry import all_specs
+from kernels.space import table_predicate
 from tuner.model.inference import MODEL_NAME, PROMPT_FORMAT
 from tuner.model.prompt import completion_text, prompt_text
 from tuner.train import data as D
@@ -250,7 +251,7 @@ def evaluate_heldout(gguf_path: Path, held: list[D.Case], k: int = 5) -> dict:
         table = c.table()
         from kernels.space import config_key
 
-        pred = D.table_predicate(space.names, [c.configs[key] for key in table])
+        pred = table_predicate(space.names, [c.configs[key] for key in table])
         res = prop.propose(c.kernel, space, k, extra=pred)
         lat.append(res.latency_ms)
         best = min(table.values())
