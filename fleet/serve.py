@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from dataclasses import asdict
 from pathlib import Path
 
@@ -86,9 +87,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
                                            server_header=False))
     log.info("fleet server on http://%s:%d, db %s, broker %s", cfg.host, cfg.port, db, opts.label)
+    # uvicorn takes SIGINT/SIGTERM while serving and re-raises them once it has stopped; with these handlers
+    # in place that re-raise stops the receiver cleanly instead of killing the process before it can.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: listener.request_stop())
     listener.start()
     try:
-        server.run()  # returns on SIGINT/SIGTERM, after the open requests finished
+        server.run()  # returns after a signal, once the open requests finished
     finally:
         listener.stop()
     return 0 if server.started else 1

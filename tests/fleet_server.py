@@ -56,15 +56,16 @@ class FleetServer:
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)["token"]
 
-    def start(self, timeout: float = 30.0) -> "FleetServer":
+    def start(self, timeout: float = 30.0, prefix: list[str] | tuple[str, ...] = ()) -> "FleetServer":
+        """Run it (under `prefix`, e.g. a confinement wrapper) until it answers and its receiver subscribed."""
         self.log_path = Path(self.env["STATE_DIRECTORY"]).parent / f"fleet-serve-{self.port}.log"
-        argv = [sys.executable, "-m", "edgetune.main", "fleet", "serve", "--broker",
+        argv = [*prefix, sys.executable, "-m", "edgetune.main", "fleet", "serve", "--broker",
                 f"{self.broker.host}:{self.broker.port}", "--port", str(self.port),
                 *(["--config", str(self.config)] if self.config else [])]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:  # until it answers and its receiver is subscribed, not a fixed sleep
+        while time.monotonic() < deadline:  # an event to await, not a fixed sleep
             assert self.proc.poll() is None, f"fleet serve exited:\n{self.log}"
             try:
                 health = self.request("GET", "/healthz").doc

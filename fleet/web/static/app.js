@@ -18,7 +18,14 @@ async function getJSON(url) {
   return r.json();
 }
 
-function when(ts) { return ts ? new Date(ts * 1000).toLocaleString() : "-"; }
+const pad = n => String(n).padStart(2, "0");
+
+function when(ts) {  // as the server renders it: YYYY-MM-DD HH:MM:SS, local time
+  if (!ts) return "-";
+  const d = new Date(ts * 1000);
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ` +
+         `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+}
 
 function ago(ts) {
   if (!ts) return "never";
@@ -57,6 +64,7 @@ async function refreshTelemetry(box) {
   for (const fig of box.querySelectorAll("figure.plot")) {
     const key = fig.dataset.series, data = plotData(rows, key);
     const chart = fig.querySelector(".chart");
+    fig.classList.toggle("nodata", data[0].length === 0);
     if (window.etPlots[key]) {
       window.etPlots[key].setData(data);
       continue;
@@ -96,6 +104,7 @@ function setupCommandLog() {
   const table = document.getElementById("command-log");
   if (!table) return;
   let pending = table.dataset.pending;  // a command just sent, until the receiver has stored it
+  const open = new Set();
   const tick = async () => {
     let fast = false;
     try {
@@ -106,6 +115,8 @@ function setupCommandLog() {
       body.replaceChildren(...(cmds.length ? cmds.map(commandRow) : [none]));
       if (pending && cmds.some(c => c.id === pending)) pending = "";
       fast = Boolean(pending) || cmds.some(c => c.open);
+      if (cmds.some(c => open.has(c.id) && !c.open)) document.getElementById("finished").hidden = false;
+      for (const c of cmds) if (c.open) open.add(c.id); else open.delete(c.id);
     } catch (e) {
       console.warn(e);
     }
