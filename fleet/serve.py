@@ -13,6 +13,7 @@ import logging
 import signal
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from edgetune.errors import BadInput
 from edgetune.output import console, emit, json_flag, table
@@ -36,21 +37,20 @@ def register(fs: argparse._SubParsersAction) -> None:
 
     t = fs.add_parser("token", help="API tokens of the fleet server: create, list, revoke")
     ts = t.add_subparsers(dest="token_verb", required=True, metavar="{create,list,revoke}")
-    q = ts.add_parser("create", help="a new token, printed once (only its hash is kept)")
+
+    def verb(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        q = ts.add_parser(name, help=help)
+        _config_arg(q)
+        json_flag(q)
+        q.set_defaults(func=func)
+        return q
+
+    q = verb("create", "a new token, printed once (only its hash is kept)", cmd_token_create)
     q.add_argument("--role", required=True, choices=ROLES, help="viewer: read; operator: read and act")
     q.add_argument("--name", help="a name to tell it by (default <role>-<id>)")
-    _config_arg(q)
-    json_flag(q)
-    q.set_defaults(func=cmd_token_create)
-    q = ts.add_parser("list", help="tokens with role, creation and last use (never the secret)")
-    _config_arg(q)
-    json_flag(q)
-    q.set_defaults(func=cmd_token_list)
-    q = ts.add_parser("revoke", help="revoke a token by id or name; its browser sessions end too")
+    verb("list", "tokens with role, creation and last use (never the secret)", cmd_token_list)
+    q = verb("revoke", "revoke a token by id or name; its browser sessions end too", cmd_token_revoke)
     q.add_argument("token", help="token id or name (see `fleet token list`)")
-    _config_arg(q)
-    json_flag(q)
-    q.set_defaults(func=cmd_token_revoke)
 
 
 def _config_arg(p: argparse.ArgumentParser) -> None:

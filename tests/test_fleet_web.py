@@ -218,6 +218,9 @@ def test_forms_need_the_sessions_csrf_token(rig):
                           headers={"Content-Type": "application/x-www-form-urlencoded"}).status == 403
     forged = session[:-3] + ("AAA" if not session.endswith("AAA") else "BBB")
     assert server.request("GET", "/devices", headers={"Cookie": forged}).status == 303
+    r = post("/logout", {"csrf": csrf})
+    assert r.status == 303 and r.headers["Location"] == "/login"
+    assert server.request("GET", "/devices", headers={"Cookie": r.headers["Set-Cookie"].split(";")[0]}).status == 303
     vsession, vcsrf = _login(server, tokens["viewer"])
     r = server.request("POST", "/devices/dev-1/retune", form({"csrf": vcsrf}),
                        headers={"Content-Type": "application/x-www-form-urlencoded", "Cookie": vsession})
@@ -285,7 +288,8 @@ def test_bad_fleet_config_is_refused_with_every_problem(tmp_path):
 def test_config_file_sets_where_the_server_keeps_its_data(tmp_path, mosquitto):
     db, auth = tmp_path / "data" / "f.db", tmp_path / "data" / "a.db"
     cfg = tmp_path / "fleet.toml"
-    cfg.write_text(f'[fleet]\ndatabase = "sqlite://{db}"\nauth_database = "{auth}"\nstale_minutes = 0.01\n')
+    cfg.write_text(f'[fleet]\ndatabase = "sqlite://{db}"\nauth_database = "{auth}"\nstale_minutes = 0.01\n'
+                   'anonymous_read = true\n')
     env = os.environ | {"STATE_DIRECTORY": str(tmp_path / "state")}
     server = FleetServer(mosquitto, env, config=cfg).start()
     try:
@@ -296,5 +300,9 @@ def test_config_file_sets_where_the_server_keeps_its_data(tmp_path, mosquitto):
         o = server.wait_json("/api/v1/overview", token, lambda o: o["devices"] == 1)
         assert o["statuses"]["stale"] == 1 and o["stale_minutes"] == pytest.approx(0.01)  # heard 60 s ago
         assert db.exists() and auth.exists() and not (tmp_path / "state" / "fleet.db").exists()
+        # anonymous_read: reading needs no token, acting still does
+        assert server.get("/api/v1/overview").doc["devices"] == 1 and server.get("/devices").status == 200
+        r = server.post_json(f"/api/v1/devices/{dev.device}/retune", {})
+        assert r.status == 403 and "operator" in r.doc["error"]
     finally:
         server.stop()

@@ -4,7 +4,6 @@ also the source of the OpenAPI schema served at /api/v1/openapi.json, so a route
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,19 +35,9 @@ class ApiRoute:
     responses: dict[str, str] = field(default_factory=dict)  # status -> description, beyond 200
 
 
-def _finite(x: Any) -> Any:
-    """Strict JSON: a NaN or infinity a device once sent inside a record becomes null."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
 def _json(data: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(_finite(data), status_code=status)
+    # strict JSON has no NaN or infinity, which a device may once have sent inside a record: they become null
+    return JSONResponse(json.loads(json.dumps(data, default=str), parse_constant=lambda _: None), status_code=status)
 
 
 async def _device_or_404(request: Request, fn: Any, *args: Any) -> Response:

@@ -78,7 +78,6 @@ class Fleet:
     auth: Auth
     limits: Limits
     send: Send
-    health: Callable[[], dict]
     templates: jinja2.Environment
 
     async def read(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -127,7 +126,6 @@ def guarded(role: str | None, handler: Handler, *, api: bool) -> Callable[[Reque
         return await handler(request, p)
 
     endpoint.__name__ = handler.__name__
-    endpoint.__doc__ = handler.__doc__
     return endpoint
 
 
@@ -178,5 +176,5 @@ def create_app(open_store: Callable[[], FleetStore], auth: Auth, limits: Limits,
         stores.close()
 
     app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.fleet = Fleet(stores, auth, limits, send, health, _templates())
+    app.state.fleet = Fleet(stores, auth, limits, send, _templates())
     return _security_headers(app)
