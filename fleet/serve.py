@@ -64,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fleet.commands import send_command
     from fleet.listener import Listener
     from fleet.store import FleetStore
-    from fleet.web.app import create_app
+    from fleet.web.server import create_app
     from fleet.web.auth import Auth
     from fleet.web.views import Limits
 
