@@ -5,6 +5,8 @@
   edgetune fleet show DEVICE [--db F] [--json]                  one device: info, active configs, records, status log
   edgetune fleet retune  DEVICE --broker … [--kernel K] [--wait] send a retune command and follow its progress
   edgetune fleet export-records -o FILE [--db F] [--json]       tuning records as JSONL training data
+  edgetune fleet serve --broker … [--config F] [--port P]       receiver + web dashboard and JSON API (fleet/serve.py)
+  edgetune fleet token create --role viewer|operator | list | revoke   API tokens of `fleet serve`
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ log = logging.getLogger("fleet.cli")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fleet", help="fleet receiver: collect device reports over MQTT, list devices, send retunes",
                        description=__doc__.splitlines()[0])
-    fs = p.add_subparsers(dest="fleet_verb", required=True, metavar="{listen,devices,show,retune,export-records}")
+    fs = p.add_subparsers(dest="fleet_verb", required=True,
+                          metavar="{listen,serve,devices,show,retune,export-records,token}")
 
     q = fs.add_parser("listen", help="subscribe to every device and store what they publish (until SIGINT/SIGTERM)")
     add_broker_args(q)
@@ -76,6 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _db_arg(q)
     json_flag(q)
     q.set_defaults(func=cmd_export_records)
+
+    from fleet import serve
+
+    serve.register(fs)
 
 
 def _db_arg(p: argparse.ArgumentParser) -> None:

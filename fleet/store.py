@@ -377,3 +377,66 @@ class FleetStore(Store):
         return {t: self.query_one(f"SELECT count(*) FROM {t}")[0] for t in (
             "devices", "status_history", "active_configs", "records", "telemetry", "commands", "command_responses",
             "malformed")}
+
+    # ---- reads for the dashboard and its API (fleet.web) ----------------------------------------------------
+
+    def dashboard_devices(self, now: float | None = None, stale_after_s: float = 600.0) -> list[dict]:
+        """`devices()` plus what the dashboard shows: `status`, which splits `online` into online and `stale`
+        (the retained status says online but nothing was heard for `stale_after_s`), so the statuses partition
+        the fleet; the geomean of tuned/ORT over the active configs that carry `ort_ms`; the tuned slots."""
+        now = time.time() if now is None else now
+        ort: dict[str, list[float]] = {}
+        slots: dict[str, list[str]] = {}
+        for r in self.conn.execute("SELECT device_id, slot, ms, entry_json FROM active_configs ORDER BY slot"):
+            slots.setdefault(r["device_id"], []).append(r["slot"])
+            ort_ms = json.loads(r["entry_json"]).get("ort_ms")
+            if isinstance(ort_ms, (int, float)) and ort_ms > 0 and r["ms"]:
+                ort.setdefault(r["device_id"], []).append(r["ms"] / ort_ms)
+        out = []
+        for d in self.devices(now):
+            ago = d["last_seen_ago_s"]
+            stale = d["state"] == "online" and (ago is None or ago > stale_after_s)
+            out.append({**d, "status": "stale" if stale else d["state"], "ort_ratio": geomean(ort.get(d["id"], [])),
+                        "slots": slots.get(d["id"], [])})
+        return out
+
+    def overview(self, now: float | None = None, stale_after_s: float = 600.0) -> dict:
+        """Counts by dashboard status and the breakdowns an operator filters the device list by."""
+        devices = self.dashboard_devices(now, stale_after_s)
+        statuses = {s: 0 for s in ("online", "stale", "offline", "lost", "unknown")}
+        breakdowns: dict[str, dict[str, int]] = {k: {} for k in ("version", "model_version", "fw_fingerprint",
+                                                                 "cpu_model", "isa")}
+        for d in devices:
+            statuses[d["status"]] = statuses.get(d["status"], 0) + 1
+            for k, counts in breakdowns.items():
+                v = d[k] if d[k] is not None else ""
+                counts[v] = counts.get(v, 0) + 1
+        return {"devices": len(devices), "statuses": statuses,
+                "breakdowns": {k: sorted(({"value": v, "devices": n} for v, n in c.items()),
+                                         key=lambda x: (-x["devices"], x["value"]))
+                               for k, c in breakdowns.items()}}
+
+    def telemetry_window(self, device: str, since: float, limit: int = 2000) -> list[dict]:
+        """The device's newest `limit` telemetry samples received since `since`, oldest first (for plots)."""
+        rows = self.conn.execute(
+            "SELECT boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss, state, received_at"
+            " FROM telemetry WHERE device_id=? AND received_at>=? ORDER BY id DESC LIMIT ?", (device, since, limit))
+        return [dict(r) for r in rows][::-1]
+
+    def active_config_rows(self, device: str) -> list[dict]:
+        """The device's active configs as table rows, with ORT ms and tuned/ORT from the entry when it has them."""
+        out = []
+        for r in self.conn.execute("SELECT * FROM active_configs WHERE device_id=? ORDER BY slot", (device,)):
+            entry = json.loads(r["entry_json"])
+            ort_ms = entry.get("ort_ms") if isinstance(entry.get("ort_ms"), (int, float)) else None
+            out.append({k: r[k] for k in ("slot", "kernel", "workload", "ms", "default_ms", "speedup", "evals",
+                                          "tuning_s", "strategy", "tuned_at")}
+                       | {"config": _loads(r["config_json"]), "ort_ms": ort_ms,
+                          "ort_ratio": r["ms"] / ort_ms if ort_ms and r["ms"] else None})
+        return out
+
+    def speedups(self) -> list[dict]:
+        """Every device's speedup per kernel/workload, for the fleet-wide distribution."""
+        return [dict(r) for r in self.conn.execute(
+            "SELECT kernel, workload, slot, device_id, speedup, ms, default_ms FROM active_configs"
+            " WHERE speedup IS NOT NULL ORDER BY slot, speedup")]

@@ -27,15 +27,20 @@ ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")
 
 
-@pytest.fixture
-def unit_copy(tmp_path) -> Path:
+FLEET_UNIT = SYSTEMD / "edgetune-fleet.service"
+UNITS = [UNIT, FLEET_UNIT]
+
+
+@pytest.fixture(params=UNITS, ids=lambda u: u.name)
+def unit_copy(request, tmp_path) -> Path:
     """The unit with ExecStart= pointing at this checkout's real `edgetune` instead of the not-yet-installed
     /opt one: verify checks that the binary exists, and that is the only line changed."""
     assert CHECKOUT_EXE.exists()
-    text = UNIT.read_text()
-    assert text.count(INSTALLED_EXE) == 1
-    copy = tmp_path / "edgetune.service"
-    copy.write_text(text.replace(INSTALLED_EXE, str(CHECKOUT_EXE)))
+    text, n = re.subn(rf"^ExecStart={re.escape(INSTALLED_EXE)}", f"ExecStart={CHECKOUT_EXE}",
+                      request.param.read_text(), flags=re.M)
+    assert n == 1
+    copy = tmp_path / request.param.name
+    copy.write_text(text)
     return copy
 
 
@@ -49,7 +54,7 @@ def test_unit_verifies_without_warnings(unit_copy) -> None:
 def test_unit_exposure_at_most_4(unit_copy) -> None:
     r = subprocess.run([ANALYZE, "security", "--offline=yes", "--no-pager", str(unit_copy)],
                        capture_output=True, text=True)
-    m = re.search(r"Overall exposure level for edgetune\.service: (\d+\.\d+)", r.stdout)
+    m = re.search(rf"Overall exposure level for {re.escape(unit_copy.name)}: (\d+\.\d+)", r.stdout)
     assert m, r.stdout + r.stderr
     print("\n".join(ln.rstrip() for ln in r.stdout.splitlines() if ln.startswith("✗")))
     print(f"exposure: {m.group(1)}")
@@ -68,6 +73,19 @@ def test_unit_contract() -> None:
     assert re.search(r"\nWatchdogSec=\d+", text) and re.search(r"\nMemoryMax=\d+", text)
     for absent in ("CPUQuota=", "PrivateDevices=yes", "ProcSubset=pid"):  # benchmarks, meters, hwprobe
         assert f"\n{absent}" not in text
+
+
+def test_fleet_unit_contract() -> None:
+    """The fleet server: its own unit, the device unit's user and state dir, hardened further (no devices,
+    no privileges), serving on loopback by default (the flags leave --host alone)."""
+    text = FLEET_UNIT.read_text()
+    for line in ["Type=exec", f"ExecStart={INSTALLED_EXE} fleet serve --broker localhost:1883", "Restart=on-failure",
+                 "User=edgetune", "StateDirectory=edgetune", "ConfigurationDirectory=edgetune", "UMask=0077",
+                 "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateDevices=yes", "MemoryDenyWriteExecute=yes",
+                 "CapabilityBoundingSet=", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+                 "SystemCallFilter=@system-service"]:
+        assert f"\n{line}\n" in text, line
+    assert "--host" not in text and re.search(r"\nMemoryMax=\d+", text)
 
 
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers is not installed")
@@ -215,10 +233,10 @@ def _syscalls(name: str, cache: dict[str, frozenset[str]] = {}) -> frozenset[str
     return cache[name]
 
 
-def unit_syscall_allowlist() -> list[str]:
+def unit_syscall_allowlist(unit: Path = UNIT) -> list[str]:
     allow: set[str] = set()
     deny: set[str] = set()
-    for m in re.finditer(r"^SystemCallFilter=(~?)(.+)$", UNIT.read_text(), re.M):
+    for m in re.finditer(r"^SystemCallFilter=(~?)(.+)$", unit.read_text(), re.M):
         (deny if m.group(1) else allow).update(*(_syscalls(n) for n in m.group(2).split()))
     return sorted(allow - deny)
 
@@ -234,13 +252,17 @@ def _confinement_available() -> str | None:
     return None if probe.returncode == 0 else "kernel without PR_SET_MDWE (Linux < 6.3)"
 
 
-@pytest.fixture(scope="module")
-def confined() -> list[str]:
+def _confined(unit: Path) -> list[str]:
     """A command prefix that runs what follows under the unit's syscall filter and W^X."""
     reason = _confinement_available()
     if reason:
         pytest.skip(reason)
-    return [sys.executable, "-c", CONFINE, json.dumps(unit_syscall_allowlist())]
+    return [sys.executable, "-c", CONFINE, json.dumps(unit_syscall_allowlist(unit))]
+
+
+@pytest.fixture(scope="module")
+def confined() -> list[str]:
+    return _confined(UNIT)
 
 
 def test_stack_runs_under_the_units_confinement(confined) -> None:
@@ -276,3 +298,25 @@ def test_daemon_tunes_under_the_units_confinement(confined, tmp_path) -> None:
         assert "Traceback" not in d.log and "Operation not permitted" not in d.log, d.log[-3000:]
     finally:
         d.stop()
+
+
+def test_fleet_server_serves_under_its_units_confinement(tmp_path, mosquitto) -> None:
+    """`fleet serve` (uvicorn, the receiver thread, SQLite) under the fleet unit's syscall filter and W^X: it
+    answers, stores what a device publishes, and stops cleanly on SIGTERM."""
+    from tests.fleet_server import FleetServer
+    from tests.test_fleet import Device
+
+    server = FleetServer(mosquitto, dict(os.environ))
+    token = server.token("viewer")
+    server.start(prefix=_confined(FLEET_UNIT))
+    try:
+        dev = Device(mosquitto, "confined-1")
+        dev.pub("status", {"state": "online", "session": 1, "version": "0.1.0"})
+        dev.close()
+        server.wait_json("/api/v1/overview", token, lambda o: o["statuses"]["online"] == 1)
+        assert server.get("/", token).status == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log
+        assert "Traceback" not in server.log and "Operation not permitted" not in server.log, server.log[-3000:]
+    finally:
+        server.stop()

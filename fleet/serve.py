@@ -1,0 +1,138 @@
+"""`edgetune fleet serve`: the receiver and the dashboard/API in one process, and `edgetune fleet token …`.
+
+The receiver (fleet.listener) runs in a thread and owns its store connection; the ASGI app runs under uvicorn in
+the main thread, which also takes SIGINT/SIGTERM, and reads the same SQLite DB through its own connections (WAL:
+readers never block the writer). Starlette, Jinja2 and uvicorn are imported only when serving, so the other
+verbs do not need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from edgetune.errors import BadInput
+from edgetune.output import console, emit, json_flag, table
+from fleet.config import FleetConfig, load_fleet_config
+from fleet.mqtt import add_broker_args, broker_opts
+from fleet.tokens import ROLES, TokenStore
+
+log = logging.getLogger("fleet.serve")
+
+
+def register(fs: argparse._SubParsersAction) -> None:
+    q = fs.add_parser("serve", help="receiver + web dashboard and JSON API (/api/v1/) in one process",
+                      description="Store what devices publish and serve the fleet dashboard and API. Binds "
+                                  "127.0.0.1 by default: put TLS in a reverse proxy in front (see README).")
+    _config_arg(q)
+    q.add_argument("--host", help="bind address (default [fleet] host, 127.0.0.1)")
+    q.add_argument("--port", type=int, help="HTTP port (default [fleet] port, 8080)")
+    q.add_argument("--client-id", help="MQTT client id of the receiver (default edgetune-fleet-<hostname>)")
+    add_broker_args(q)
+    q.set_defaults(func=cmd_serve)
+
+    t = fs.add_parser("token", help="API tokens of the fleet server: create, list, revoke")
+    ts = t.add_subparsers(dest="token_verb", required=True, metavar="{create,list,revoke}")
+
+    def verb(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        q = ts.add_parser(name, help=help)
+        _config_arg(q)
+        json_flag(q)
+        q.set_defaults(func=func)
+        return q
+
+    q = verb("create", "a new token, printed once (only its hash is kept)", cmd_token_create)
+    q.add_argument("--role", required=True, choices=ROLES, help="viewer: read; operator: read and act")
+    q.add_argument("--name", help="a name to tell it by (default <role>-<id>)")
+    verb("list", "tokens with role, creation and last use (never the secret)", cmd_token_list)
+    q = verb("revoke", "revoke a token by id or name; its browser sessions end too", cmd_token_revoke)
+    q.add_argument("token", help="token id or name (see `fleet token list`)")
+
+
+def _config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="config file with a [fleet] section (default <config dir>/edgetune.toml and conf.d/)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from fleet.commands import send_command
+    from fleet.listener import Listener
+    from fleet.store import FleetStore
+    from fleet.web.server import create_app
+    from fleet.web.auth import Auth
+    from fleet.web.views import Limits
+
+    cfg = load_fleet_config(args.config, host=args.host, port=args.port)
+    opts = broker_opts(args)
+    db = cfg.database_path
+    listener = Listener(opts, db, client_id=args.client_id)  # opens (and migrates) the DB first
+    auth = Auth(cfg.auth_path, session_s=cfg.session_hours * 3600, secure_cookies=cfg.secure_cookies,
+                anonymous_read=cfg.anonymous_read)
+
+    def send(device: str, command: dict) -> None:
+        send_command(opts, device, command, wait=False, timeout_s=10.0)
+
+    def health() -> dict:
+        return {"listener": {"connected": listener.connected.is_set(), "subscribed": listener.subscribed.is_set(),
+                             "messages": listener.counts["messages"]}}
+
+    app = create_app(lambda: FleetStore(db, check_same_thread=False), auth,
+                     Limits(cfg.stale_minutes * 60, cfg.retention_days * 86400), send, health)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                                           server_header=False))
+    log.info("fleet server on http://%s:%d, db %s, broker %s", cfg.host, cfg.port, db, opts.label)
+    # uvicorn takes SIGINT/SIGTERM while serving and re-raises them once it has stopped; with these handlers
+    # in place that re-raise stops the receiver cleanly instead of killing the process before it can.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: listener.request_stop())
+    listener.start()
+    try:
+        server.run()  # returns after a signal, once the open requests finished
+    finally:
+        listener.stop()
+    return 0 if server.started else 1
+
+
+def _tokens(args: argparse.Namespace) -> tuple[FleetConfig, TokenStore]:
+    cfg = load_fleet_config(args.config)
+    return cfg, TokenStore(cfg.auth_path)
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    cfg, store = _tokens(args)
+    with store:
+        token, secret = store.create(args.role, args.name)
+    emit({"id": token.id, "name": token.name, "role": token.role, "token": secret}, args.json,
+         lambda d: console.print(f"{d['role']} token {d['name']!r} (id {d['id']}), shown only now:\n{d['token']}",
+                                 highlight=False, soft_wrap=True))
+    return 0
+
+
+def cmd_token_list(args: argparse.Namespace) -> int:
+    cfg, store = _tokens(args)
+    with store:
+        tokens = [asdict(t) for t in store.list()]
+    from fleet.web.filters import ago, when
+
+    emit(tokens, args.json, lambda ts: table(f"tokens in {cfg.auth_path}", ["id", "name", "role", "created",
+                                                                             "last used", "revoked"],
+                                             [[t["id"], t["name"], t["role"], when(t["created_at"]),
+                                               ago(t["last_used_at"]), when(t["revoked_at"])] for t in ts]))
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    if not args.token.strip():
+        raise BadInput("token: empty; give an id or a name from `edgetune fleet token list`")
+    cfg, store = _tokens(args)
+    with store:
+        token = store.revoke(args.token.strip())
+    emit(asdict(token), args.json, lambda d: console.print(f"revoked token {d['name']!r} (id {d['id']})"))
+    return 0
+

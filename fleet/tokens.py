@@ -1,0 +1,182 @@
+"""API tokens of the fleet server (viewer and operator roles) and the key that signs its browser sessions.
+
+They live in their own SQLite file (`[fleet] auth_database`, default `<state dir>/fleet-auth.db`, mode 0600), not
+in the fleet DB: the fleet DB is data an operator exports, copies and backs up freely, and a credential store
+should not travel with it.
+
+A token is 32 random bytes (`et_` + base64url). Only its SHA-256 is stored. A fast hash is enough here, unlike for
+passwords: a slow KDF protects low-entropy secrets against guessing, and 256 random bits cannot be guessed, so
+bcrypt or argon2 would only add latency to every API request; an unsalted hash also lets a request find its
+token by an indexed lookup instead of trying every row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgetune.errors import BadInput, EdgetuneError
+
+ROLES = ("viewer", "operator")  # each role may do everything the roles before it may
+APP_ID = 0x45544131  # "ETA1"
+PREFIX = "et_"
+TOUCH_EVERY_S = 60.0  # last_used_at is written at most this often per token, not on every request
+SCHEMA = """
+CREATE TABLE tokens (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    role TEXT NOT NULL,
+    sha256 TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL,
+    last_used_at REAL,
+    revoked_at REAL
+);
+CREATE TABLE secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
+"""
+
+
+class AuthDBError(EdgetuneError):
+    pass
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    name: str
+    role: str
+    created_at: float
+    last_used_at: float | None
+    revoked_at: float | None
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "replace")).hexdigest()
+
+
+def role_allows(have: str | None, need: str) -> bool:
+    """Whether a principal holding role `have` (None: no role) may act as `need`."""
+    return have in ROLES and ROLES.index(have) >= ROLES.index(need)
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise BadInput(f"role {role!r}: must be one of {', '.join(ROLES)}")
+    return role
+
+
+def _create_private(path: Path) -> None:
+    """Create the file with mode 0600 before SQLite opens it (SQLite gives -wal and -shm the same mode). Only
+    when it is new: closing any descriptor of a file drops every POSIX lock this process holds on it, so
+    touching a file that other connections in this process have open would break their locking."""
+    if path.exists():
+        return
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:  # another thread or process made it first
+        pass
+
+
+class TokenStore:
+    """The auth DB. Each thread opens its own (SQLite connections stay in their thread)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _create_private(path)
+            self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            with self.conn:
+                self.conn.execute("BEGIN IMMEDIATE")  # two processes creating the file: one makes the schema
+                app_id, version = (self.conn.execute(f"PRAGMA {p}").fetchone()[0]
+                                   for p in ("application_id", "user_version"))
+                if (app_id, version) == (0, 0):
+                    for stmt in filter(str.strip, SCHEMA.split(";")):
+                        self.conn.execute(stmt)
+                    self.conn.execute(f"PRAGMA application_id={APP_ID}")
+                    self.conn.execute("PRAGMA user_version=1")
+                elif (app_id, version) != (APP_ID, 1):
+                    raise AuthDBError(f"{path} is not an edgetune fleet auth DB (application id {app_id:#x}, "
+                                      f"version {version}); set [fleet] auth_database to another path")
+        except sqlite3.DatabaseError as e:
+            raise AuthDBError(f"fleet auth DB {path}: {e}") from e
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "TokenStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _token(r: sqlite3.Row) -> Token:
+        return Token(r["id"], r["name"], r["role"], r["created_at"], r["last_used_at"], r["revoked_at"])
+
+    def create(self, role: str, name: str | None = None) -> tuple[Token, str]:
+        """A new token; the secret is returned once and never stored."""
+        check_role(role)
+        if name is not None and not name.strip():
+            raise BadInput("--name: empty")
+        secret = PREFIX + secrets.token_urlsafe(32)
+        now = time.time()
+        try:
+            with self.conn:
+                self.conn.execute("BEGIN IMMEDIATE")
+                cur = self.conn.execute("INSERT INTO tokens (name, role, sha256, created_at) VALUES (?,?,?,?)",
+                                        (name or f"pending-{secrets.token_hex(8)}", role, digest(secret), now))
+                if name is None:
+                    self.conn.execute("UPDATE tokens SET name=? WHERE id=?", (f"{role}-{cur.lastrowid}",
+                                                                            cur.lastrowid))
+        except sqlite3.IntegrityError:
+            raise BadInput(f"--name {name!r}: a token of that name exists; pick another or revoke it") from None
+        return self.get(cur.lastrowid), secret
+
+    def get(self, token_id: int) -> Token:
+        r = self.conn.execute("SELECT * FROM tokens WHERE id=?", (token_id,)).fetchone()
+        if r is None:
+            raise BadInput(f"no token with id {token_id}; see `edgetune fleet token list`")
+        return self._token(r)
+
+    def list(self) -> list[Token]:
+        return [self._token(r) for r in self.conn.execute("SELECT * FROM tokens ORDER BY id")]
+
+    def revoke(self, ref: str) -> Token:
+        """Revoke by id or name; browser sessions opened with the token end with it."""
+        r = self.conn.execute("SELECT * FROM tokens WHERE name=?", (ref,)).fetchone()
+        if r is None and ref.isdigit():
+            r = self.conn.execute("SELECT * FROM tokens WHERE id=?", (int(ref),)).fetchone()
+        if r is None:
+            raise BadInput(f"no token {ref!r} (an id or a name); see `edgetune fleet token list`")
+        self.conn.execute("UPDATE tokens SET revoked_at=coalesce(revoked_at, ?) WHERE id=?", (time.time(), r["id"]))
+        return self.get(r["id"])
+
+    def verify(self, secret: str) -> Token | None:
+        """The live token with this secret, or None (unknown or revoked)."""
+        r = self.conn.execute("SELECT * FROM tokens WHERE sha256=? AND revoked_at IS NULL",
+                              (digest(secret),)).fetchone()
+        return self.touch(self._token(r)) if r else None
+
+    def active(self, token_id: int) -> Token | None:
+        """The token behind a browser session, or None once revoked."""
+        r = self.conn.execute("SELECT * FROM tokens WHERE id=? AND revoked_at IS NULL", (token_id,)).fetchone()
+        return self.touch(self._token(r)) if r else None
+
+    def touch(self, t: Token) -> Token:
+        now = time.time()
+        if t.last_used_at is None or now - t.last_used_at > TOUCH_EVERY_S:
+            self.conn.execute("UPDATE tokens SET last_used_at=? WHERE id=?", (now, t.id))
+        return t
+
+    def session_key(self) -> bytes:
+        """The HMAC key of browser session cookies: made once, shared by every server on this auth DB."""
+        self.conn.execute("INSERT OR IGNORE INTO secrets (name, value) VALUES ('session_key', ?)",
+                          (secrets.token_bytes(32),))
+        return self.conn.execute("SELECT value FROM secrets WHERE name='session_key'").fetchone()[0]

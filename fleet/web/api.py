@@ -1,0 +1,214 @@
+"""The JSON API under /api/v1/: everything the pages show, plus the retune action. The route table below is
+also the source of the OpenAPI schema served at /api/v1/openapi.json, so a route cannot be left out of it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from edgetune import __version__
+from edgetune.errors import BadInput, EdgetuneError
+from fleet.web import views
+from fleet.web.actions import retune_request, send_retunes
+from fleet.web.app import Handler, api_error, fleet_of, guarded
+from fleet.web.auth import COOKIE, CSRF_HEADER, Principal
+
+PREFIX = "/api/v1"
+MAX_BODY = 1 << 20
+
+
+@dataclass(frozen=True)
+class ApiRoute:
+    path: str
+    method: str
+    role: str | None
+    handler: Handler
+    summary: str
+    params: tuple[str, ...] = ()  # query parameters
+    body: dict | None = None  # JSON schema of the request body
+    responses: dict[str, str] = field(default_factory=dict)  # status -> description, beyond 200
+
+
+def _json(data: Any, status: int = 200) -> JSONResponse:
+    # strict JSON has no NaN or infinity, which a device may once have sent inside a record: they become null
+    return JSONResponse(json.loads(json.dumps(data, default=str), parse_constant=lambda _: None), status_code=status)
+
+
+async def _device_or_404(request: Request, fn: Any, *args: Any) -> Response:
+    device = request.path_params["device"]
+    fleet = fleet_of(request)
+    if await fleet.read(lambda s: s.device(device)) is None:
+        return api_error(404, f"no device {device!r} in the fleet DB; GET {PREFIX}/devices lists them")
+    return _json(await fleet.read(fn, *args))
+
+
+async def overview(request: Request, p: Principal) -> Response:
+    fleet = fleet_of(request)
+    return _json(await fleet.read(views.overview, fleet.limits))
+
+
+async def devices(request: Request, p: Principal) -> Response:
+    fleet = fleet_of(request)
+    try:
+        return _json(await fleet.read(views.device_list, fleet.limits, dict(request.query_params)))
+    except BadInput as e:
+        return api_error(400, str(e))
+
+
+async def device(request: Request, p: Principal) -> Response:
+    fleet = fleet_of(request)
+    return await _device_or_404(request, views.device_detail, fleet.limits, request.path_params["device"])
+
+
+async def telemetry(request: Request, p: Principal) -> Response:
+    fleet = fleet_of(request)
+    limit = request.query_params.get("limit", "2000")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100_000:
+        return api_error(400, f"limit={limit!r}: a whole number of samples, 1-100000")
+    return await _device_or_404(request, views.telemetry, fleet.limits, request.path_params["device"], int(limit))
+
+
+async def records(request: Request, p: Principal) -> Response:
+    return await _device_or_404(request, views.records, request.path_params["device"])
+
+
+async def commands(request: Request, p: Principal) -> Response:
+    return await _device_or_404(request, views.commands, request.path_params["device"])
+
+
+async def command(request: Request, p: Principal) -> Response:
+    d, cid = request.path_params["device"], request.path_params["command"]
+    found = await fleet_of(request).read(lambda s: s.command(d, cid))
+    return _json(found) if found else api_error(404, f"no command {cid!r} of device {d!r} in the fleet DB")
+
+
+async def speedups(request: Request, p: Principal) -> Response:
+    return _json(await fleet_of(request).read(views.speedups))
+
+
+async def me(request: Request, p: Principal) -> Response:
+    return _json({"name": p.name, "role": p.role, "via": p.via, "version": __version__})
+
+
+async def _body(request: Request) -> Any:
+    if not request.headers.get("content-type", "").startswith("application/json"):
+        raise BadInput("send the body as JSON with Content-Type: application/json")
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise BadInput(f"body of {len(raw)} bytes is over the {MAX_BODY}-byte limit")
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # UnicodeDecodeError is one too
+        raise BadInput(f"body is not valid JSON: {e}") from None
+
+
+async def _retune(request: Request, device: str | None) -> Response:
+    fleet = fleet_of(request)
+    try:
+        r = retune_request(await _body(request), device)
+    except BadInput as e:
+        return api_error(400, str(e))
+    known = await fleet.read(lambda s: {d for d in r.devices if s.device(d) is not None})
+    unknown = [d for d in r.devices if d not in known]
+    if unknown:
+        return api_error(404, f"no device {unknown[0]!r} in the fleet DB; nothing was sent")
+    try:
+        sent = await run_in_threadpool(send_retunes, fleet.send, r)
+    except EdgetuneError as e:
+        return api_error(502, f"could not publish the command: {e}")
+    return _json({"commands": sent}, 202)
+
+
+async def retune_one(request: Request, p: Principal) -> Response:
+    return await _retune(request, request.path_params["device"])
+
+
+async def retune_many(request: Request, p: Principal) -> Response:
+    return await _retune(request, None)
+
+
+async def openapi(request: Request, p: Principal) -> Response:
+    return JSONResponse(schema())
+
+
+_NAMES = {"type": "array", "items": {"type": "string", "minLength": 1}}
+RETUNE_FIELDS = {
+    "kernels": {**_NAMES, "description": "only these kernels"},
+    "workloads": {**_NAMES, "description": "only these workloads"},
+    "strategy": {"type": "string", "description": "search strategy on the device, e.g. anneal, random, llm"},
+    "budget": {"type": "integer", "minimum": 1, "maximum": 100000, "description": "evaluations per workload"},
+    "force": {"type": "boolean", "description": "retune even when a result for this hw/fw/model exists"},
+    "ttl_s": {"type": "number", "minimum": 1, "maximum": 604800,
+              "description": "the device rejects the command if it arrives later (default 600)"},
+}
+RETUNE_RESPONSES = {"202": "sent: the command ids to follow under .../commands/{command}",
+                    "400": "bad body (the error names the field)", "404": "unknown device; nothing sent",
+                    "502": "the broker did not take the command"}
+DEVICE_404 = {"404": "no such device"}
+
+API: list[ApiRoute] = [
+    ApiRoute("/overview", "GET", "viewer", overview, "device counts by status, breakdowns by version, model, fw, "
+             "cpu, isa"),
+    ApiRoute("/devices", "GET", "viewer", devices, "devices, filtered and sorted",
+             (*views.FILTERS, "missing", "q", "sort", "order"), responses={"400": "bad query parameter"}),
+    ApiRoute("/devices/{device}", "GET", "viewer", device, "one device: summary, descriptor, active configs, "
+             "status history, command log", responses=DEVICE_404),
+    ApiRoute("/devices/{device}/telemetry", "GET", "viewer", telemetry, "telemetry samples within the retention, "
+             "oldest first", ("limit",), responses=DEVICE_404),
+    ApiRoute("/devices/{device}/records", "GET", "viewer", records, "tuning records with their measurements",
+             responses=DEVICE_404),
+    ApiRoute("/devices/{device}/commands", "GET", "viewer", commands, "the command log, newest first",
+             responses=DEVICE_404),
+    ApiRoute("/devices/{device}/commands/{command}", "GET", "viewer", command, "one command and every response",
+             responses={"404": "no such command"}),
+    ApiRoute("/devices/{device}/retune", "POST", "operator", retune_one, "ask one device to retune",
+             body={"type": "object", "properties": RETUNE_FIELDS, "additionalProperties": False},
+             responses=RETUNE_RESPONSES),
+    ApiRoute("/retune", "POST", "operator", retune_many, "ask several devices to retune",
+             body={"type": "object", "required": ["devices"], "additionalProperties": False,
+                   "properties": {"devices": _NAMES, **RETUNE_FIELDS}}, responses=RETUNE_RESPONSES),
+    ApiRoute("/speedups", "GET", "viewer", speedups, "per kernel/workload, the speedups across devices"),
+    ApiRoute("/me", "GET", "viewer", me, "who the credentials belong to"),
+    ApiRoute("/openapi.json", "GET", None, openapi, "this schema"),
+]
+
+
+def routes() -> list[Route]:
+    return [Route(PREFIX + r.path, guarded(r.role, r.handler, api=True), methods=[r.method]) for r in API]
+
+
+def schema() -> dict:
+    paths: dict[str, dict] = {}
+    for r in API:
+        op: dict[str, Any] = {"summary": r.summary, "operationId": r.handler.__name__, "responses": {
+            "200" if r.method == "GET" else "202": {"description": "ok"},
+            **({"401": {"description": "no or unknown token"}, "403": {"description": f"needs the {r.role} role"}}
+               if r.role else {}),
+            **{k: {"description": v} for k, v in r.responses.items() if k != "202"}}}
+        if r.role:
+            op["security"] = [{"bearer": []}, {"session": []}]
+        params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for n in _path_params(r.path)]
+        params += [{"name": n, "in": "query", "required": False, "schema": {"type": "string"}} for n in r.params]
+        if params:
+            op["parameters"] = params
+        if r.body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": r.body}}}
+            op["description"] = (f"With a session cookie instead of a bearer token, send the page's CSRF token "
+                                 f"as {CSRF_HEADER}.")
+        paths.setdefault(PREFIX + r.path, {})[r.method.lower()] = op
+    return {"openapi": "3.1.0", "info": {"title": "edgetune fleet", "version": __version__}, "paths": paths,
+            "components": {"securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer",
+                           "description": "a token from `edgetune fleet token create --role viewer|operator`"},
+                "session": {"type": "apiKey", "in": "cookie", "name": COOKIE}}}}
+
+
+def _path_params(path: str) -> list[str]:
+    return [part[1:-1] for part in path.split("/") if part.startswith("{")]

@@ -1,0 +1,122 @@
+"""What each page and its API twin show, shaped once from the store: the HTML pages render these dicts and the
+JSON API returns them as they are, so the two cannot disagree. Every function takes the store as its first
+argument (any object with FleetStore's read methods, so another backend can slot in) and runs in a worker
+thread."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from edgetune.errors import BadInput
+from fleet.store import FleetStore, geomean
+
+FILTERS = ("status", "version", "model_version", "fw_fingerprint", "cpu_model", "isa")
+SORTS = ("id", "status", "last_seen", "cpu_model", "isa", "cores", "version", "model_version", "tuned_workloads",
+         "mean_speedup", "ort_ratio", "records")
+OPEN_COMMAND_STATES = ("accepted", "in_progress")
+
+
+class BadQuery(BadInput):
+    """A query parameter or body field the API cannot use (HTTP 400); the message names it and what would work."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    stale_after_s: float
+    retention_s: float
+
+
+def overview(store: FleetStore, lim: Limits) -> dict:
+    return store.overview(stale_after_s=lim.stale_after_s) | {"stale_minutes": lim.stale_after_s / 60}
+
+
+def device_list(store: FleetStore, lim: Limits, query: Mapping[str, str]) -> dict:
+    """Devices filtered by exact FILTERS values (`missing=<field>`: that field unknown) and `q` (a substring of
+    the id), sorted by `sort` (`order=desc` to reverse; unknown values last either way)."""
+    unknown = set(query) - {*FILTERS, "q", "sort", "order", "missing"}
+    if unknown:
+        raise BadQuery(f"unknown query parameter {sorted(unknown)[0]!r}; parameters: "
+                       f"{', '.join((*FILTERS, 'missing', 'q', 'sort', 'order'))}")
+    sort, order = query.get("sort") or "id", query.get("order") or "asc"
+    if sort not in SORTS:
+        raise BadQuery(f"sort={sort!r}: sort by one of {', '.join(SORTS)}")
+    if order not in ("asc", "desc"):
+        raise BadQuery(f"order={order!r}: asc or desc")
+    missing = query.get("missing")
+    if missing is not None and missing not in FILTERS:
+        raise BadQuery(f"missing={missing!r}: one of {', '.join(FILTERS)}")
+    wanted = {k: query[k] for k in FILTERS if query.get(k)}
+    q = (query.get("q") or "").lower()
+    rows = [d for d in store.dashboard_devices(stale_after_s=lim.stale_after_s)
+            if all(str(d[k]) == v for k, v in wanted.items()) and (missing is None or d[missing] is None)
+            and q in d["id"].lower()]
+    known = sorted((d for d in rows if d[sort] is not None), key=lambda d: d[sort], reverse=order == "desc")
+    return {"devices": known + [d for d in rows if d[sort] is None],
+            "filters": {**wanted, **({"missing": missing} if missing else {}), **({"q": q} if q else {})},
+            "sort": sort, "order": order}
+
+
+def device_detail(store: FleetStore, lim: Limits, device: str) -> dict | None:
+    summary = next((d for d in store.dashboard_devices(stale_after_s=lim.stale_after_s) if d["id"] == device), None)
+    if summary is None:
+        return None
+    info = (store.device(device) or {}).get("info") or {}
+    hw = next((info[k] for k in ("hw", "hardware", "descriptor") if isinstance(info.get(k), dict)), {})
+    return {**summary, "descriptor": hw, "info": info, "active": store.active_config_rows(device),
+            "status_history": store.status_history(device)[-50:][::-1], "commands": commands(store, device)}
+
+
+def commands(store: FleetStore, device: str) -> list[dict]:
+    """The command log, newest first, each with its newest status and progress (0..1 when the device said)."""
+    out = []
+    for c in store.commands(device)[::-1][:50]:
+        p = c.get("progress")
+        frac = float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1 else None
+        out.append({**c, "status": c.get("status") or "sent", "fraction": frac,
+                    "open": (c.get("status") or "sent") in ("sent", *OPEN_COMMAND_STATES)})
+    return out
+
+
+def telemetry(store: FleetStore, lim: Limits, device: str, limit: int = 2000) -> list[dict]:
+    return store.telemetry_window(device, since=time.time() - lim.retention_s, limit=limit)
+
+
+def records(store: FleetStore, device: str) -> list[dict]:
+    """Tuning records newest first, each with its measurements as the device sent them."""
+    out = []
+    for r in store.records(device)[::-1]:
+        rec = r.pop("record")
+        ms = rec.get("measurements") if isinstance(rec.get("measurements"), list) else []
+        out.append({**r, "measurements": [m for m in ms if isinstance(m, dict)], "result": rec.get("result")})
+    return out
+
+
+def speedups(store: FleetStore) -> list[dict]:
+    """Per kernel/workload: how its speedup is spread across devices, and the devices far from the rest
+    (under half or over twice the median), which is where an operator looks first."""
+    by_slot: dict[str, list[dict]] = {}
+    for r in store.speedups():
+        if r["speedup"] > 0 and math.isfinite(r["speedup"]):
+            by_slot.setdefault(r["slot"], []).append(r)
+    out = []
+    for slot, rows in sorted(by_slot.items()):
+        xs = [r["speedup"] for r in rows]
+        med = statistics.median(xs)
+        out.append({"slot": slot, "kernel": rows[0]["kernel"], "workload": rows[0]["workload"], "devices": len(rows),
+                    "min": min(xs), "median": med, "geomean": geomean(xs), "max": max(xs),
+                    "points": [{"device_id": r["device_id"], "speedup": r["speedup"]} for r in rows],
+                    "outliers": [r["device_id"] for r in rows if r["speedup"] < med / 2 or r["speedup"] > med * 2]})
+    return out
+
+
+def strip_scale(rows: list[dict]) -> dict[str, Any]:
+    """A shared log2 axis for the speedup strip plots: its bounds (whole powers of two around every value)."""
+    xs = [p["speedup"] for r in rows for p in r["points"]] or [1.0]
+    lo, hi = math.floor(math.log2(min(min(xs), 1.0))), math.ceil(math.log2(max(max(xs), 1.0)))
+    if lo == hi:
+        hi += 1
+    return {"lo": lo, "hi": hi, "ticks": [2.0 ** e for e in range(lo, hi + 1)]}
