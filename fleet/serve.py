@@ -18,7 +18,7 @@ from typing import Callable
 from edgetune.errors import BadInput
 from edgetune.output import console, emit, json_flag, table
 from fleet.config import FleetConfig, load_fleet_config
-from fleet.mqtt import add_broker_args, broker_opts
+from fleet.mqtt import add_broker_args, broker_settings
 from fleet.tokens import ROLES, TokenStore
 
 log = logging.getLogger("fleet.serve")
@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fleet.web.views import Limits
 
     cfg = load_fleet_config(args.config, host=args.host, port=args.port)
-    opts = broker_opts(args)
+    opts = broker_settings(args)
     db = cfg.database_path
     listener = Listener(opts, db, client_id=args.client_id)  # opens (and migrates) the DB first
     auth = Auth(cfg.auth_path, session_s=cfg.session_hours * 3600, secure_cookies=cfg.secure_cookies,
@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return {"listener": {"connected": listener.connected.is_set(), "subscribed": listener.subscribed.is_set(),
                              "messages": listener.counts["messages"]}}
 
-    app = create_app(lambda: FleetStore(db, check_same_thread=False), auth,
+    app = create_app(lambda: FleetStore(db, threads=True), auth,
                      Limits(cfg.stale_minutes * 60, cfg.retention_days * 86400), send, health)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
                                            server_header=False))

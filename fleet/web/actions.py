@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fleet.commands import check_device_id, new_command
+from edgetune.protocol import check_id
+from fleet.commands import new_command
 from fleet.web.views import BadQuery
 
 MAX_BUDGET = 100_000
@@ -44,7 +45,7 @@ def retune_request(body: Any, device: str | None = None) -> Retune:
     if len(devices) > MAX_DEVICES:
         raise BadQuery(f"devices: {len(devices)} in one request; at most {MAX_DEVICES}")
     for d in devices:
-        check_device_id(d)  # BadInput: a 400 like the rest
+        check_id(d, "device id")  # ProtocolError is a BadInput: a 400 like the rest
     args: dict[str, Any] = {}
     for key in ("kernels", "workloads"):
         names = _names(body, key)
