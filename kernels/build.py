@@ -9,8 +9,8 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any, Iterable
 
