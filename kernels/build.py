@@ -78,8 +78,8 @@ def target_compiler(hw: Any) -> tuple[str, str]:
     return cc, _compiler_id(cc)
 
 
-# 32-bit Arm: -mfpu=auto, or the toolchain's default FPU (vfpv3-d16 on Debian armhf, vfp on Raspberry Pi OS)
-# overrides the +neon of -march; and -funsafe-math-optimizations, without which GCC lowers every vector-extension
+# 32-bit Arm: -mfpu=auto, or a toolchain configured --with-fpu (Raspberry Pi OS's armhf gcc: vfp) overrides the
+# +neon of -march; and -funsafe-math-optimizations, without which GCC lowers every vector-extension
 # float op to scalar VFP (ARMv7 NEON flushes denormals to zero, so it is not IEEE): gemm had 253 scalar and 0
 # quad-register multiply-adds without it, 1 and 56 with it. Reassociation and reciprocals stay off: reassociating
 # folds gru's round-to-integer trick, (x + 1.5 * 2^23) - 1.5 * 2^23, to x (max_abs_err 0.41 under emulation).
