@@ -37,7 +37,7 @@ run: install
 	$(VENV)/bin/edgetune tune
 	$(VENV)/bin/edgetune report
 
-# `$(PY) -m pytest -q -m slow` adds the long emulated sweep
+# `$(PY) -m pytest -q -m slow` runs the long emulated sweep (a seeded sample of every workload's ARM space)
 test: dev mosquitto cross
 	$(PY) -m pytest -q
 
