@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from edgetune.output import emit, json_flag, table
-from hwprobe.descriptor import CacheLevel, HwDescriptor
+from hwprobe.descriptor import CacheLevel, Cluster, HwDescriptor
 from hwprobe.probe import probe
 
 _TYPE_SUFFIX = {"Data": "d", "Instruction": "i", "Unified": ""}
@@ -40,6 +40,11 @@ def _cache(c: CacheLevel) -> str:
     return f"L{c.level}{_TYPE_SUFFIX.get(c.type, '?')} {_bytes(c.size_bytes)}{line}{shared}"
 
 
+def _cluster(c: Cluster) -> str:
+    what = [f"capacity {c.capacity}" if c.capacity else "", f"{c.max_khz / 1e6:.2f} GHz" if c.max_khz else ""]
+    return f"{len(c.cpus)}x {c.core} ({', '.join(w for w in what if w)})"
+
+
 def _render(d: HwDescriptor) -> None:
     capped = f" (capped from {d.detected_isa})" if d.isa != d.detected_isa else ""
     rows = [
@@ -48,7 +53,8 @@ def _render(d: HwDescriptor) -> None:
         ["isa", f"{d.isa}, level {d.isa_level}, {d.vector_bits}-bit vectors{capped}"],
         ["-march", d.march or "(none)"],
         ["features", " ".join(d.features) or "-"],
-        ["cores", f"{d.cores} usable of {d.cores_online} online"],
+        ["cores", f"{d.cores} usable of {d.cores_online} online, {d.big_cores} big"],
+        ["clusters", " + ".join(map(_cluster, d.clusters)) or "all cores equal (no cpu_capacity or cpufreq)"],
         ["caches", "\n".join(map(_cache, d.caches)) or "unknown"],
         ["memory", _bytes(d.mem_total_bytes)],
         ["bandwidth", f"{d.bandwidth_gbps} GB/s (copy, read+write)" if d.bandwidth_gbps else "not measured"],

@@ -63,7 +63,8 @@ def _arch_from_cpuinfo(first: dict[str, str]) -> str:
     return "armv7l" if cpu_arch == "7" else "unknown"
 
 
-def _live_arch() -> str:
+def host_arch() -> str:
+    """The arch this Python, and so the native compiler and the measuring worker, runs as."""
     machine = platform.machine()
     arch = _MACHINE_ALIASES.get(machine.lower(), machine) or "unknown"
     # A 64-bit kernel under a 32-bit userland (the Raspberry Pi OS 32-bit default): the compiler targets armv7.
@@ -81,7 +82,7 @@ def parse(root: Path, live: bool) -> CpuInfo:
         if name and b["processor"].isdigit():
             kinds[int(b["processor"])] = name
     return CpuInfo(
-        arch=_live_arch() if live else _arch_from_cpuinfo(first),
+        arch=host_arch() if live else _arch_from_cpuinfo(first),
         model=" + ".join(dict.fromkeys(kinds.values())) or "unknown",
         flags=frozenset((first.get("flags") or first.get("Features") or "").split()),
         core_kind=kinds,

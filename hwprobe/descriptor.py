@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
-def vector_registers(arch: str, isa_level: int) -> int:
-    if arch == "aarch64" or (arch == "x86_64" and isa_level >= 4):
+def vector_registers(arch: str, vector_bits: int) -> int:
+    """AVX-512 (EVEX) and aarch64 have 32 SIMD registers; SSE/AVX2 16, and armv7 NEON 16 quad (128-bit) ones."""
+    if arch == "aarch64" or (arch == "x86_64" and vector_bits >= 512):
         return 32
     return 16
 
@@ -18,6 +19,16 @@ class CacheLevel:
     size_bytes: int | None  # None when unknown
     line_bytes: int | None
     shared_cpus: int | None  # how many logical cpus share this cache
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Cpus of one performance class on a big.LITTLE part, as the kernel's topology reports them."""
+
+    cpus: tuple[int, ...]
+    capacity: int | None  # sysfs cpu_capacity (1024 = the biggest core), None when not exposed
+    max_khz: int | None  # cpufreq cpuinfo_max_freq
+    core: str  # core type from cpuinfo, e.g. "Cortex-A76"
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,7 @@ class HwDescriptor:
     hw_fingerprint: str
     fw_fingerprint: str
     firmware: dict[str, str] = field(default_factory=dict)  # the inputs to fw_fingerprint
+    clusters: tuple[Cluster, ...] = ()  # biggest first; () when all cores are equal or the topology is unknown
 
     def cache_bytes(self, level: int, kind: str = "Data") -> int | None:
         """Size of the level-N data (or unified) cache, or None when unknown."""
@@ -58,7 +70,12 @@ class HwDescriptor:
     def vector_registers(self) -> int:
         """Architectural SIMD registers a register tile may use: AVX-512 and aarch64 have 32, SSE/AVX2 16, and
         armv7 NEON 16 quad (128-bit) registers. A kernel's register-tile constraint reads this."""
-        return vector_registers(self.arch, self.isa_level)
+        return vector_registers(self.arch, self.vector_bits)
+
+    @property
+    def big_cores(self) -> int:
+        """Usable cores of the biggest cluster: the most threads that all run at the big cores' pace."""
+        return min(self.cores, len(self.clusters[0].cpus)) if self.clusters else self.cores
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,4 +86,5 @@ class HwDescriptor:
         d["caches"] = tuple(CacheLevel(**c) for c in d["caches"])
         d["compiler"] = Compiler(**d["compiler"])
         d["features"] = tuple(d["features"])
+        d["clusters"] = tuple(Cluster(**{**c, "cpus": tuple(c["cpus"])}) for c in d.get("clusters", ()))
         return cls(**d)

@@ -11,7 +11,7 @@ from hwprobe.sysfs import read
 
 @dataclass(frozen=True)
 class Rung:
-    name: str  # ISA level name, which is also the -march value
+    name: str  # ISA level name, which is also the base of the -march value
     needs: frozenset[str]  # flags required on top of the rungs below
     vector_bits: int | None  # None: the SVE vector length of the machine
 
@@ -46,7 +46,7 @@ LADDERS: dict[str, tuple[Rung, ...]] = {"x86_64": _X86, "aarch64": _AARCH64, "ar
 _LEVEL_BASE = {"x86_64": 1}  # x86 levels are numbered v1..v4; arm ladders start at 0
 
 _X86_SIMD_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "bmi", "popcnt", "amx")
-_ARM_SIMD = frozenset("neon asimd asimdhp dotprod asimdfhm i8mm bf16 sve sve2".split())
+_ARM_SIMD = frozenset("neon vfpv4 asimd asimdhp dotprod asimdfhm i8mm bf16 sve sve2".split())
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Isa:
     detected_isa: str
     features: tuple[str, ...]  # what the hardware has, even when capped below it
     vector_bits: int
-    march: str  # "" when the arch has no ladder: builds then pass no -march
+    march: str  # the level's -march, with any extra extension (see _march); "" when the arch has no ladder
 
 
 def _normalize(arch: str, flags: frozenset[str]) -> frozenset[str]:
@@ -73,6 +73,16 @@ def _simd_features(arch: str, flags: frozenset[str]) -> tuple[str, ...]:
     if arch == "x86_64":
         return tuple(sorted(f for f in flags if f.startswith(_X86_SIMD_PREFIXES)))
     return tuple(sorted(flags & _ARM_SIMD))
+
+
+def _march(arch: str, rung: Rung, level: int, flags: frozenset[str]) -> str:
+    """The rung's name, plus the extensions the hardware has that do not make a rung of their own (they change
+    no kernel knob): half-precision arithmetic on armv8.2 cores, fused multiply-add (VFPv4) on 32-bit NEON."""
+    if arch == "aarch64" and level >= 1 and "asimdhp" in flags:
+        return rung.name + "+fp16"
+    if arch == "armv7l" and rung.name == "armv7-a+neon" and "vfpv4" in flags:
+        return "armv7-a+neon-vfpv4"
+    return rung.name
 
 
 def _sve_bits(root: Path) -> int:
@@ -101,4 +111,5 @@ def detect(arch: str, flags: frozenset[str], root: Path, cap: str | None = None)
     level = allowed.index(cap) if cap else top
     rung = ladder[level]
     bits = rung.vector_bits or _sve_bits(root)
-    return Isa(rung.name, level + _LEVEL_BASE.get(arch, 0), ladder[top].name, features, bits, rung.name)
+    return Isa(rung.name, level + _LEVEL_BASE.get(arch, 0), ladder[top].name, features, bits,
+               _march(arch, rung, level, flags))

@@ -7,7 +7,7 @@ from pathlib import Path
 from hwprobe import bandwidth, cpuinfo, isa
 from hwprobe.caches import probe_caches
 from hwprobe.compiler import describe_compiler
-from hwprobe.cores import count_cores, online, usable_cpus
+from hwprobe.cores import clusters, count_cores, online, usable_cpus
 from hwprobe.descriptor import HwDescriptor
 from hwprobe.fingerprint import fw_fingerprint, hw_fingerprint
 from hwprobe.firmware import firmware_info
@@ -59,4 +59,5 @@ def probe(
         hw_fingerprint=fp,
         fw_fingerprint=fw_fingerprint(firmware),
         firmware=firmware,
+        clusters=clusters(root, usable, cpu.core_kind),
     )

@@ -9,12 +9,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any, Iterable
 
 from edgetune import paths
 from edgetune.errors import EdgetuneError
-from hwprobe.compiler import compiler_path
+from hwprobe.compiler import CompilerMissing, compiler_path, describe_compiler
+from hwprobe.target import is_foreign, toolchain
 from kernels.space import Config, Shape
 from kernels.spec import C_DIR, KernelSpec
 
@@ -42,6 +44,39 @@ def knob_flags(cfg: Config) -> list[str]:
     return flags
 
 
+@cache
+def _compiler_id(path: str) -> str:
+    return describe_compiler(path).id
+
+
+def target_compiler(hw: Any) -> tuple[str, str]:
+    """(path, id) of the compiler for `hw`: this host's, or the cross compiler of a foreign arch (builds for another
+    device never pick up $CC, which names a compiler for this host)."""
+    if not is_foreign(hw):
+        return compiler_path(fallback=hw.compiler.path), hw.compiler.id
+    tc = toolchain(hw.arch)
+    cc = tc.which_cc()
+    if not cc:
+        raise CompilerMissing(f"no cross compiler for {hw.arch} ({tc.cc}); install it with "
+                              f"`apt-get install {tc.apt}` (or `make test`, which does)")
+    return cc, _compiler_id(cc)
+
+
+# 32-bit Arm: -mfpu=auto, or a toolchain configured --with-fpu (Raspberry Pi OS's armhf gcc: vfp) overrides the
+# +neon of -march; and -funsafe-math-optimizations, without which GCC lowers every vector-extension
+# float op to scalar VFP (ARMv7 NEON flushes denormals to zero, so it is not IEEE): gemm had 253 scalar and 0
+# quad-register multiply-adds without it, 1 and 56 with it. Reassociation and reciprocals stay off: reassociating
+# folds gru's round-to-integer trick, (x + 1.5 * 2^23) - 1.5 * 2^23, to x (max_abs_err 0.41 under emulation).
+_ARMV7_FLAGS = ["-mfpu=auto", "-funsafe-math-optimizations", "-fno-associative-math", "-fno-reciprocal-math"]
+
+
+def target_flags(hw: Any) -> list[str]:
+    """-march for the probed level, plus what 32-bit Arm needs for its NEON code to be NEON."""
+    if not hw.march:
+        return []
+    return [f"-march={hw.march}", *(_ARMV7_FLAGS if hw.arch == "armv7l" else [])]
+
+
 def shape_flags(spec: KernelSpec, shape: Shape | None) -> list[str]:
     """The spec's baked dims of `shape` as -DET_SHAPE_<DIM>=v (none without a shape: the build serves any shape)."""
     return [f"-DET_SHAPE_{d.upper()}={int(shape[d])}" for d in spec.baked_dims] if shape else []
@@ -50,7 +85,7 @@ def shape_flags(spec: KernelSpec, shape: Shape | None) -> list[str]:
 def compile_command(spec: KernelSpec, cfg: Config, hw: Any, out: Path, cc: str, shape: Shape | None = None) -> list[str]:
     threaded = int(cfg.get("threads", 1)) > 1
     return [
-        cc, "-O3", *([f"-march={hw.march}"] if hw.march else []), "-fPIC", "-shared", *(["-fopenmp"] if threaded else []),
+        cc, "-O3", *target_flags(hw), "-fPIC", "-shared", *(["-fopenmp"] if threaded else []),
         f"-I{C_DIR}", *knob_flags(cfg), *shape_flags(spec, shape), str(spec.source), "-o", str(out), "-lm",
     ]
 
@@ -58,12 +93,13 @@ def compile_command(spec: KernelSpec, cfg: Config, hw: Any, out: Path, cc: str, 
 def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
           timeout_s: float = COMPILE_TIMEOUT_S) -> Build:
     """Build (or reuse) the .so for `cfg`, specialised to `shape`'s baked dims when given (it then runs only
-    shapes that agree on them). The key covers source, headers, flags, knobs and compiler id."""
-    cc = compiler_path(fallback=hw.compiler.path)
+    shapes that agree on them). The key covers source, headers, flags, knobs, the target arch and compiler id.
+    A foreign `hw` (another arch, see hwprobe.target) is cross-compiled; run such a build with kernels.emulate."""
+    cc, cc_id = target_compiler(hw)
     probe_cmd = compile_command(spec, cfg, hw, Path("OUT"), cc, shape)
     h = hashlib.sha256(spec.source_hash().encode())
     h.update("\0".join(probe_cmd[1:]).encode())
-    h.update(hw.compiler.id.encode())
+    h.update(f"{hw.arch}\0{cc_id}".encode())
     key = h.hexdigest()[:20]
     out_dir = paths.cache_dir() / "builds"
     out_dir.mkdir(parents=True, exist_ok=True)

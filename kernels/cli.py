@@ -21,7 +21,8 @@ from kernels.workloads import resolve
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kernels", help="list bundled kernels, workloads, knobs and space sizes")
     json_flag(p)
-    p.add_argument("--isa", help="cap the ISA (space sizes depend on vector width)")
+    p.add_argument("--isa", help="cap the ISA (space sizes depend on vector width), or a level of another arch "
+                                 "(e.g. armv8-a, armv7-a+neon) for a generic 4-core device of that level")
     p.set_defaults(func=cmd_kernels)
 
     p = sub.add_parser("bench", help="measure one config of a kernel on a workload, in place")
@@ -45,7 +46,9 @@ def _hw(isa: str | None, bandwidth: bool = False) -> Any:
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
-    hw = _hw(args.isa)
+    from hwprobe.target import describe
+
+    hw = describe(args.isa)
     out = []
     for spec in all_specs().values():
         out.append({

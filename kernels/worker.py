@@ -145,6 +145,20 @@ def _case(spec: KernelSpec, shape: Shape, seed: int) -> tuple[list[np.ndarray], 
     return _CASES[key]
 
 
+def compare(spec: KernelSpec, outputs: list[np.ndarray], ref: list[np.ndarray]) -> dict[str, Any]:
+    """The correctness verdict on a variant's outputs, as reply fields: ok and max_abs_err, or not ok and why.
+    NaN-filled output buffers make a value the kernel never wrote fail as non-finite."""
+    err = 0.0
+    for out, want in zip(outputs, ref):
+        if not np.all(np.isfinite(out)):
+            return {"ok": False, "reason": "wrong values: non-finite output (unwritten or overflow)"}
+        err = max(err, float(np.max(np.abs(out - want))) if out.size else 0.0)
+        if not np.allclose(out, want, rtol=spec.rtol, atol=spec.atol):
+            return {"ok": False, "reason": f"wrong values: max_abs_err={err:.3g} beyond rtol={spec.rtol} atol={spec.atol}",
+                    "max_abs_err": err}
+    return {"ok": True, "max_abs_err": err}
+
+
 def _serve_one(req: dict[str, Any]) -> dict[str, Any]:
     from kernels.registry import get_spec
 
@@ -161,14 +175,10 @@ def _serve_one(req: dict[str, Any]) -> dict[str, Any]:
     rc = lib.et_run(dims, bufs)
     if rc != 0:
         return {"ok": False, "reason": f"kernel returned error code {rc}"}
-    err = 0.0
-    for out, want in zip(outputs, ref):
-        if not np.all(np.isfinite(out)):
-            return {"ok": False, "reason": "wrong values: non-finite output (unwritten or overflow)"}
-        err = max(err, float(np.max(np.abs(out - want))) if out.size else 0.0)
-        if not np.allclose(out, want, rtol=spec.rtol, atol=spec.atol):
-            return {"ok": False, "reason": f"wrong values: max_abs_err={err:.3g} beyond rtol={spec.rtol} atol={spec.atol}",
-                    "max_abs_err": err}
+    verdict = compare(spec, outputs, ref)
+    if not verdict["ok"]:
+        return verdict
+    err = verdict["max_abs_err"]
     wall, cpu, niv = _bench(lib, dims, bufs, warmup=1, reps=3, inner=1)
     call_ms = max(min(wall), 1e-5)
     # a rep lasts at least INNER_MIN_MS, and reps * inner calls fill min_time_s without exceeding max_reps

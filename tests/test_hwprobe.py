@@ -106,8 +106,12 @@ def test_rpi4() -> None:
 
 def test_rk3588_dotprod_big_little() -> None:
     d = probe(TREES / "armv82_dotprod", cc=NO_CC)
-    assert (d.arch, d.isa, d.isa_level, d.march) == ("aarch64", "armv8.2-a+dotprod", 1, "armv8.2-a+dotprod")
+    assert (d.arch, d.isa, d.isa_level, d.march) == ("aarch64", "armv8.2-a+dotprod", 1, "armv8.2-a+dotprod+fp16")
     assert d.cpu_model == "Cortex-A55 + Cortex-A76"
+    # big.LITTLE from cpu_capacity: the A76 cluster first, and threads count against its 4 cores
+    assert [(c.cpus, c.capacity, c.max_khz, c.core) for c in d.clusters] == [
+        ((4, 5, 6, 7), 1024, 2400000, "Cortex-A76"), ((0, 1, 2, 3), 414, 1800000, "Cortex-A55")]
+    assert d.big_cores == 4
     assert d.vector_bits == 128 and "dotprod" in d.features and "asimddp" not in d.features
     assert (d.cores, d.cores_online) == (8, 8)
     # both core types' caches, the big core's first; the shared L3 once
@@ -116,6 +120,76 @@ def test_rk3588_dotprod_big_little() -> None:
     assert [c.level for c in d.caches].count(3) == 1
     assert d.firmware["image_version"] == "2024.06.1" and d.firmware["build_id"] == "20240612-1"
     assert d.firmware["model"] == "Radxa ROCK 5B"  # from proc/device-tree
+
+
+def test_rpi5() -> None:
+    d = probe(TREES / "rpi5", cc=NO_CC)
+    assert (d.arch, d.cpu_model, d.isa, d.isa_level, d.march) == (
+        "aarch64", "Cortex-A76", "armv8.2-a+dotprod", 1, "armv8.2-a+dotprod+fp16")
+    assert (d.vector_bits, d.vector_registers) == (128, 32) and d.features == ("asimd", "asimdhp", "dotprod")
+    assert (d.cores, d.cores_online, d.big_cores) == (4, 4, 4)
+    assert [(c.cpus, c.capacity) for c in d.clusters] == [((0, 1, 2, 3), 1024)]  # one class: all cores big
+    assert d.caches == (
+        CacheLevel(1, "Data", 64 * KiB, 64, 1), CacheLevel(1, "Instruction", 64 * KiB, 64, 1),
+        CacheLevel(2, "Unified", 512 * KiB, 64, 1), CacheLevel(3, "Unified", 2 * MiB, 64, 4),
+    )
+    assert d.mem_total_bytes == 8245456 * KiB
+    assert (d.firmware["model"], d.firmware["version_id"], d.firmware["kernel"]) == (
+        "Raspberry Pi 5 Model B Rev 1.0", "12", "6.6.51+rpt-rpi-2712")
+
+
+def test_jetson_orin_nano_clusters_from_cpufreq() -> None:
+    d = probe(TREES / "jetson_orin_nano", cc=NO_CC)
+    assert (d.arch, d.cpu_model, d.isa, d.march) == ("aarch64", "Cortex-A78AE", "armv8.2-a+dotprod",
+                                                     "armv8.2-a+dotprod+fp16")
+    assert (d.cores, d.big_cores) == (6, 6)
+    assert [(c.cpus, c.capacity, c.max_khz) for c in d.clusters] == [((0, 1, 2, 3, 4, 5), None, 1510400)]
+    assert (d.cache_bytes(1), d.cache_bytes(2), d.cache_bytes(3)) == (64 * KiB, 256 * KiB, 2 * MiB)
+    assert CacheLevel(3, "Unified", 2 * MiB, 64, 4) in d.caches  # per 4-core cluster, not the whole chip
+    assert d.firmware["model"] == "NVIDIA Jetson Orin Nano Developer Kit" and d.firmware["version_id"] == "22.04"
+    assert d.firmware["kernel"] == "5.15.148-tegra"
+
+
+def test_imx8mp() -> None:
+    d = probe(TREES / "imx8mp", cc=NO_CC)
+    assert (d.arch, d.cpu_model, d.isa, d.isa_level, d.march, d.vector_bits) == (
+        "aarch64", "Cortex-A53", "armv8-a", 0, "armv8-a", 128)
+    assert d.features == ("asimd",) and (d.cores, d.big_cores) == (4, 4)
+    assert d.caches == (
+        CacheLevel(1, "Data", 32 * KiB, 64, 1), CacheLevel(1, "Instruction", 32 * KiB, 64, 1),
+        CacheLevel(2, "Unified", 512 * KiB, 64, 4),
+    )
+    assert d.cache_bytes(3) is None
+    assert d.firmware["model"] == "NXP i.MX8MPlus EVK board"  # from sys/firmware/devicetree
+    assert d.firmware["version_id"] == "6.6-scarthgap" and d.firmware["image_version"] == ""
+
+
+ARM_TREES = ("rpi4", "armv82_dotprod", "rpi5", "jetson_orin_nano", "imx8mp")
+
+
+def test_arm_trees_fingerprints_distinct_and_stable() -> None:
+    first = [probe(TREES / t, cc=NO_CC) for t in ARM_TREES]
+    again = [probe(TREES / t, cc=NO_CC) for t in ARM_TREES]
+    assert len({d.hw_fingerprint for d in first}) == len({d.fw_fingerprint for d in first}) == len(ARM_TREES)
+    assert [(d.hw_fingerprint, d.fw_fingerprint) for d in first] == [(d.hw_fingerprint, d.fw_fingerprint)
+                                                                      for d in again]
+    assert all(HwDescriptor.from_dict(json.loads(json.dumps(d.to_dict()))) == d for d in first)
+
+
+def test_clusters_from_cpufreq_split_and_quota(tmp_path: Path) -> None:
+    """Maxima more than 10% apart are two classes; a cgroup quota below the big cluster caps big_cores too."""
+    root = tree_copy(tmp_path, "jetson_orin_nano")
+    for cpu in (4, 5):
+        (root / f"sys/devices/system/cpu/cpu{cpu}/cpufreq/cpuinfo_max_freq").write_text("1113600\n")
+    (root / "sys/devices/system/cpu/cpu3/cpufreq/cpuinfo_max_freq").write_text("1420800\n")  # within 10%: same
+    d = probe(root, cc=NO_CC)
+    assert [(c.cpus, c.max_khz) for c in d.clusters] == [((0, 1, 2, 3), 1510400), ((4, 5), 1113600)]
+    assert (d.cores, d.big_cores) == (6, 4)
+    (root / "sys/fs/cgroup").mkdir(parents=True)
+    (root / "sys/fs/cgroup/cpu.max").write_text("300000 100000\n")
+    assert (probe(root, cc=NO_CC).cores, probe(root, cc=NO_CC).big_cores) == (3, 3)
+    (root / "sys/devices/system/cpu/cpu2/cpufreq/cpuinfo_max_freq").unlink()  # one cpu unknown: no clusters
+    assert probe(root, cc=NO_CC).clusters == ()
 
 
 def test_x86_avx2() -> None:
@@ -129,6 +203,7 @@ def test_x86_avx2() -> None:
         (3, "Unified", 6 * MiB, 8),
     ]
     assert d.firmware["model"] == "" and d.firmware["version_id"] == "22.04"
+    assert d.clusters == () and d.big_cores == d.cores == 8  # no cpufreq in the tree: cores count as equal
 
 
 def test_x86_level_needs_every_flag(tmp_path: Path) -> None:
@@ -156,6 +231,7 @@ def test_armv7_userland(tmp_path: Path) -> None:
     edit(root / "proc/cpuinfo", "fp asimd evtstrm crc32 cpuid", "half thumb vfp edsp neon vfpv3 tls vfpv4 idiva")
     d = probe(root, cc=NO_CC)
     assert (d.arch, d.isa, d.vector_bits, d.cpu_model) == ("armv7l", "armv7-a+neon", 128, "Cortex-A72")
+    assert (d.march, d.vector_registers) == ("armv7-a+neon-vfpv4", 16)  # VFPv4's fused multiply-add, 16 q registers
 
 
 def test_missing_cache_sysfs(tmp_path: Path) -> None:

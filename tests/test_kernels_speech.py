@@ -86,7 +86,7 @@ def test_every_knob_value_is_correct(name, hw, runner):
 def test_defaults_are_valid_on_avx2():
     from types import SimpleNamespace
 
-    avx2 = SimpleNamespace(vector_bits=256, cores=2, march="x86-64-v3")
+    avx2 = SimpleNamespace(vector_bits=256, cores=2, big_cores=2, vector_registers=16, march="x86-64-v3")
     for name in KERNELS:
         spec = get_spec(name)
         for w in spec.workloads:

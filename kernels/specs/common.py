@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from kernels.space import Constraint, enum, pow2
+from kernels.space import Config, Constraint, enum, pow2
 
 VEC = pow2("vec", 4, 16, help="floats per vector register (GCC vector extensions)")
 THREADS = enum("threads", 1, 2, 4, help="OpenMP threads")
@@ -17,7 +17,16 @@ PREFETCH = enum("prefetch", 0, 2, 8, help="software prefetch distance (kernel-sp
 VEC_FITS_ISA = Constraint(
     "vec * 32 bits must fit the ISA's vector width", lambda c, s, hw: int(c["vec"]) * 32 <= hw.vector_bits
 )
-THREADS_FIT_CORES = Constraint("threads must not exceed usable cores", lambda c, s, hw: int(c["threads"]) <= hw.cores)
+# big.LITTLE: a static team ends with its slowest thread, so threads count against the big cluster's cores
+THREADS_FIT_CORES = Constraint("threads must not exceed the usable big cores (all cores where they are equal)",
+                               lambda c, s, hw: int(c["threads"]) <= hw.big_cores)
+
+
+def registers_fit(what: str, needed: Callable[[Config], int], share: float = 1.0) -> Constraint:
+    """A register tile of `needed(config)` vector registers must fit `share` of the SIMD register file
+    (HwDescriptor.vector_registers), the rest being left for loads and broadcasts."""
+    return Constraint(f"{what} must fit {share:.0%} of the vector registers (32 on aarch64 and AVX-512, 16 on "
+                      "AVX2/SSE and armv7 NEON)", lambda c, s, hw: needed(c) <= share * hw.vector_registers)
 
 
 def onnx_model(nodes: list, inputs: list[tuple[str, tuple[int, ...]]], outputs: list[tuple[str, tuple[int, ...]]],
@@ -44,16 +53,6 @@ def const(name: str, value: np.ndarray) -> Any:
 
 def rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-
-def vector_registers(hw) -> int:
-    """Architectural SIMD registers: 32 on AVX-512 (EVEX) and AArch64, 16 on AVX2/SSE and 32-bit NEON."""
-    arch = getattr(hw, "arch", None)
-    if arch == "aarch64":
-        return 32
-    if arch in (None, "x86_64"):
-        return 32 if hw.vector_bits >= 512 else 16
-    return 16
 
 
 def out_size(n: int, stride: int) -> int:

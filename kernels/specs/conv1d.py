@@ -8,7 +8,8 @@ import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
+from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand,
+                                  registers_fit)
 from kernels.specs.common import logu, round_to
 
 
@@ -87,7 +88,7 @@ SPEC = KernelSpec(
     constraints=(
         VEC_FITS_ISA,
         THREADS_FIT_CORES,
-        Constraint("tt * nv accumulators must fit 16 vector registers", lambda c, s, hw: c["tt"] * c["nv"] <= 16),
+        registers_fit("tt * nv accumulators", lambda c: c["tt"] * c["nv"]),
         Constraint("a time tile longer than the output only computes padding",
                    lambda c, s, hw: c["tt"] == 1 or c["tt"] <= out_steps(s)),
         Constraint("a channel block wider than Cout only computes padding",

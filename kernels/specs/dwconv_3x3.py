@@ -9,7 +9,7 @@ import numpy as np
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
 from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, const, onnx_model,
-                                  out_size, rand, vector_registers)
+                                  out_size, rand, registers_fit)
 from kernels.specs.common import logu, round_to
 
 
@@ -87,8 +87,8 @@ SPEC = KernelSpec(
     constraints=(
         VEC_FITS_ISA,
         THREADS_FIT_CORES,
-        Constraint("rt * wt * cv accumulators + rt * cv weight vectors + 1 must fit the vector registers",
-                   lambda c, s, hw: c["rt"] * c["cv"] * (c["wt"] + 1) + 1 <= vector_registers(hw)),
+        registers_fit("rt * wt * cv accumulators + rt * cv weight vectors + 1",
+                      lambda c: c["rt"] * c["cv"] * (c["wt"] + 1) + 1),
         Constraint("a channel tile (cv * vec) must fit in C",
                    lambda c, s, hw: c["cv"] == 1 or c["cv"] * c["vec"] <= s["C"]),
         Constraint("wt beyond the output width only repeats a smaller tile",

@@ -8,7 +8,8 @@ import numpy as np
 
 from kernels.space import Constraint, enum, pow2
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
+from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand,
+                                  registers_fit)
 from kernels.specs.common import logu, round_to
 
 
@@ -52,7 +53,7 @@ SPEC = KernelSpec(
     constraints=(
         VEC_FITS_ISA,
         THREADS_FIT_CORES,
-        Constraint("mr * nv accumulators must fit 16 vector registers", lambda c, s, hw: c["mr"] * c["nv"] <= 16),
+        registers_fit("mr * nv accumulators", lambda c: c["mr"] * c["nv"]),
         Constraint("kc beyond 2*K only repeats kc=K", lambda c, s, hw: c["kc"] <= max(32, 2 * s["K"])),
         Constraint("a column panel (nv * vec) wider than N runs as scalar edge tiles",
                    lambda c, s, hw: c["nv"] == 1 or c["nv"] * c["vec"] <= max(c["vec"], s["N"])),

@@ -8,7 +8,8 @@ import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand
+from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand,
+                                  registers_fit)
 from kernels.specs.common import logu, round_to
 
 
@@ -94,8 +95,7 @@ SPEC = KernelSpec(
     constraints=(
         VEC_FITS_ISA,
         THREADS_FIT_CORES,
-        Constraint("3 * ut accumulators must fit the vector registers (16 below AVX-512 / SVE, 32 with it)",
-                   lambda c, s, hw: 3 * c["ut"] <= (24 if hw.vector_bits >= 512 else 12)),
+        registers_fit("3 * ut accumulators", lambda c: 3 * c["ut"], share=0.75),
         Constraint("a unit tile wider than H only computes padding (it runs as narrower tiles)",
                    lambda c, s, hw: c["ut"] == 1 or _tile_units(c) <= max(c["vec"], s["H"])),
     ),

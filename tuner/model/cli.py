@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", help="a bundled workload name")
     p.add_argument("--shape", help="a custom shape, e.g. M=196,N=576,K=96")
     p.add_argument("-k", type=int, default=5, help="how many configs (default 5)")
-    p.add_argument("--isa", help="cap the ISA, e.g. x86-64-v3")
+    p.add_argument("--isa", help="cap the ISA, e.g. x86-64-v3, or a level of another arch (e.g. armv8-a)")
     p.add_argument("--model", help="GGUF model file (default: the bundled one, or $EDGETUNE_MODEL)")
     json_flag(p)
     p.set_defaults(func=cmd_propose)
@@ -43,13 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_propose(args: argparse.Namespace) -> int:
     if args.k <= 0:
         raise BadInput(f"-k must be a positive number of configs, got {args.k}")
-    from hwprobe import probe
+    from hwprobe.target import describe
     from tuner.strategies.llm import load_proposer
     from tuner.model.inference import ModelError
 
     spec = get_spec(args.kernel)
     wl = resolve(spec, args.workload, args.shape)
-    hw = probe(isa_cap=args.isa, measure_bandwidth=False)
+    hw = describe(args.isa)
     try:
         prop = load_proposer(Path(args.model) if args.model else None)
     except ModelError as e:

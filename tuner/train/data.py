@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from hwprobe.descriptor import vector_registers
 from kernels.space import config_key
 from tuner.model.prompt import ISA_VECTOR_BITS
 
@@ -226,6 +227,8 @@ class HwView:
         self.isa, self.vector_bits, self.cores = d["isa"], d["vector_bits"], d["cores"]
         self.bandwidth_gbps = d.get("bandwidth_gbps")
         self.arch = d.get("arch", "x86_64")
+        self.vector_registers = vector_registers(self.arch, self.vector_bits)
+        self.big_cores = self.cores  # the collected rows come from hosts whose cores are all equal
 
     def cache_bytes(self, level: int, kind: str = "Data"):
         return self._d.get({1: "l1d", 2: "l2", 3: "l3"}[level])
