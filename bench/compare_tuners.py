@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.peers.rounds import median_ms, same_round_ratio, shuffled_rounds  # noqa: E402
 from kernels.measure import Measurement  # noqa: E402
 from kernels.registry import all_specs  # noqa: E402
 from kernels.space import Config, Constraint, SearchSpace, config_key  # noqa: E402
@@ -354,22 +355,14 @@ def ratios_to_first(runner, spec, shape: dict, hw, cfgs: list[Config], rounds: i
     from kernels.build import CompileError, build_many
 
     builds = build_many(spec, cfgs, hw, shape=shape)
-    rng = random.Random(seed)
     times: list[list[float | None]] = [[] for _ in cfgs]
-    for _ in range(rounds):
-        for j in rng.sample(range(len(cfgs)), len(cfgs)):
-            if isinstance(builds[j], CompileError):
-                times[j].append(None)
-                continue
-            m = runner.measure(spec, shape, builds[j].path, min_time_s=0.02, max_reps=15, timeout_s=20)
-            times[j].append(m.ms if m.ok else None)
-    ref = times[0]
-    ratios = []
-    for t in times:
-        paired = [a / b for a, b in zip(t, ref) if a and b]
-        ratios.append(statistics.median(paired) if paired else None)
-    ok_ref = [b for b in ref if b]
-    return ratios, (statistics.median(ok_ref) if ok_ref else None)
+    for _, j in shuffled_rounds(len(cfgs), rounds, seed):
+        if isinstance(builds[j], CompileError):
+            times[j].append(None)
+            continue
+        m = runner.measure(spec, shape, builds[j].path, min_time_s=0.02, max_reps=15, timeout_s=20)
+        times[j].append(m.ms if m.ok else None)
+    return [same_round_ratio(t, times[0]) for t in times], median_ms(times[0])
 
 
 def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
