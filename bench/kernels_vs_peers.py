@@ -234,9 +234,13 @@ def render(rows: list[Row], threads: list[int], header: list[str], footer: list[
             fmt(geomean([r.tuned_vs_best for r in rows if r.threads == t and keep(r)]), 2)))])
     table("tuned / best peer (median of same-round ratios; < 1 means edgetune is faster)",
           ["kernel/workload", *(x for t in threads for x in (f"best peer {t}T", f"tuned/best {t}T"))], summary)
-    notes = sorted({f"{r.kernel} {n}: {why}" for r in rows for n, why in r.notes.items() if not why.startswith("no ")}
-                   | {f"{r.kernel}/{r.workload} {r.threads}T: {why}" for r in rows for n, why in r.notes.items()
-                      if why.startswith("no ") and n == DEFAULT})
+    per_kernel = {f"{r.kernel} {n}: {why}" for r in rows for n, why in r.notes.items() if why.startswith("skipped")}
+    per_row = [f"{r.kernel}/{r.workload} {r.threads}T {n}: {why}" for r in rows for n, why in r.notes.items()
+               if not why.startswith("skipped") and not (n == TUNED and why == r.notes.get(DEFAULT))]
+    ops = [f"{k}: ORT {ort_native.OP_NAMES[k]}" + (f", XNNPACK {tflite_xnnpack.OP_NAMES[k]}"
+                                                   if k in tflite_xnnpack.OP_NAMES else "")
+           for k in dict.fromkeys(r.kernel for r in rows)]
+    notes = [f"peer ops: {'; '.join(ops)}", *sorted(per_kernel), *per_row]
     sources = sorted({r.tuned_source for r in rows if r.tuned_source})
     for line in [*(f"note: {n}" for n in notes), *(f"tuned config: {s}" for s in sources), *footer]:
         console.print(line, highlight=False)
@@ -292,8 +296,7 @@ def run(args: argparse.Namespace) -> int:
     epilogue = Epilogue(args.bias, args.act)
     load0 = os.getloadavg()
     rows: list[Row] = []
-    with Runner() as runner, NumpyProcess() if any(s.name == "gemm" for s, _ in todo) else nullcontext() as numpy_proc, \
-            progress(True) as bar:
+    with Runner() as runner, _numpy_process(todo) as numpy_proc, progress(True) as bar:
         ctx = Context(hw, runner, numpy_proc, _tuned_source(args, runner, hw, bar), epilogue, args.rounds, args.seed,
                       args.min_time)
         task = bar.add_task("bench", total=len(todo) * len(args.threads)) if bar else None
@@ -319,6 +322,18 @@ def run(args: argparse.Namespace) -> int:
                            for t in args.threads}}
         Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
     return 0
+
+
+def _numpy_process(todo: list[tuple[KernelSpec, Workload]]) -> Any:
+    """The numpy child when gemm is benched and it can start (it needs threadpoolctl to set its threads)."""
+    if not any(s.name == "gemm" for s, _ in todo):
+        return nullcontext()
+    try:
+        import threadpoolctl  # noqa: F401
+    except ImportError:
+        print("note: numpy is not timed: threadpoolctl is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return nullcontext()
+    return NumpyProcess()
 
 
 def _load(avg: tuple[float, float, float]) -> str:

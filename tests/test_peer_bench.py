@@ -85,3 +85,31 @@ def test_tflite_one_op_model_runs_on_xnnpack_and_matches(kernel, workload, ep):
     assert peer.error is None  # delegated to XNNPACK, and the (possibly R-copy) model's first output matches
     peer.sample()
     assert peer.series()["XNNPACK"][0] > 0
+
+
+def test_bench_rows_time_every_contender_and_rate_against_the_best_peer(tmp_path):
+    import json
+
+    from bench.kernels_vs_peers import main
+
+    out = tmp_path / "peers.json"
+    rc = main(["--kernels", "gemm,conv1d", "--workloads", "kws_dscnn.fc,tc_resnet8.block1.conv2", "--threads", "1",
+               "--rounds", "2", "--tune-evals", "0", "--min-time", "0.002", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["workload"], r["threads"]) for r in rows] == [
+        ("gemm", "kws_dscnn.fc", 1), ("conv1d", "tc_resnet8.block1.conv2", 1)]
+    for r in rows:
+        assert all(len(r["rounds"][n]) == 2 and all(t > 0 for t in r["rounds"][n])
+                   for n in ("edgetune default", "edgetune tuned", "ORT", "ORT -reorder"))
+        assert r["best_peer"] in ("ORT -reorder", "XNNPACK") and r["tuned_vs_best"] > 0
+        assert r["tuned_source"] == "the default (no tuned config)"
+
+
+def test_bench_refuses_unknown_filters_by_name(capsys):
+    from bench.kernels_vs_peers import main
+
+    assert main(["--kernels", "gemm", "--workloads", "nosuch.layer"]) == 2
+    assert "nosuch.layer" in capsys.readouterr().err
+    assert main(["--threads", "one"]) == 2
+    assert "--threads 'one'" in capsys.readouterr().err

@@ -9,6 +9,7 @@ device's active configs), from a prior `edgetune tune` (`--tuned-from results.db
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +43,10 @@ def default_config(spec: KernelSpec | None, wl: Workload, hw: Any) -> tuple[Conf
     space = spec.space(wl.shape, hw)
     try:
         return space.valid_default(), ""
-    except BadInput:
-        return None, "; ".join(space.violations(space.default))
+    except BadInput:  # every config breaks a rule: name the rules they all break
+        common = set.intersection(*(set(space.violations(dict(zip(space.names, combo))))
+                                    for combo in itertools.product(*(p.values for p in space.params))))
+        return None, "; ".join(sorted(common))
 
 
 class _PinnedAnneal(Anneal):

@@ -40,12 +40,16 @@ class NumpyProcess:
         self.proc.wait(timeout=10)
 
     def ask(self, req: dict) -> dict:
+        """The child's reply; a request it failed to serve (not a wrong result) raises."""
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the numpy child died (exit code {self.proc.wait()})")
-        return json.loads(line)
+        reply = json.loads(line)
+        if "failed" in reply:
+            raise RuntimeError(f"numpy child: {reply['failed']}")
+        return reply
 
     def describe(self) -> str:
         b = self.blas
@@ -114,7 +118,7 @@ def main() -> None:
         try:
             reply = _serve(json.loads(line), cases)
         except Exception as e:  # a bad request must not kill the child silently
-            reply = {"error": f"{type(e).__name__}: {e}"}
+            reply = {"failed": f"{type(e).__name__}: {e}"}
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 
