@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.peers import ort_native, tflite_xnnpack, torch_logmel  # noqa: E402
-from bench.peers.cases import ACTIVATIONS, Epilogue, PeerCase, make_case  # noqa: E402
+from bench.peers.cases import ACTIVATIONS, Epilogue, PeerCase, fuses_epilogue, make_case  # noqa: E402
 from bench.peers.edgetune_kernels import (EdgetunePeer, LongTune, Tuned, default_config,  # noqa: E402
                                           from_results_db, pinned_spec)
 from bench.peers.numpy_blas import NumpyPeer, NumpyProcess  # noqa: E402
@@ -69,7 +69,7 @@ class Row:
 
 
 def _edgetune(spec: KernelSpec, wl: Workload, threads: int, hw: Any, runner: Any, tuned_of: Any, row: Row,
-              min_time_s: float) -> list[Any]:
+              act: str, min_time_s: float) -> list[Any]:
     pinned = pinned_spec(spec, threads)
     default, why = default_config(pinned, wl, hw)
     if default is None:
@@ -83,7 +83,7 @@ def _edgetune(spec: KernelSpec, wl: Workload, threads: int, hw: Any, runner: Any
         if isinstance(b, CompileError):
             row.notes[name] = f"compile error: {b}"
         else:
-            out.append(EdgetunePeer(name, runner, spec, wl, b.path, min_time_s))
+            out.append(EdgetunePeer(name, runner, spec, wl, b.path, act, min_time_s))
     return out
 
 
@@ -136,7 +136,8 @@ def _score(row: Row) -> None:
 def bench_row(spec: KernelSpec, wl: Workload, threads: int, ctx: "Context", bar: Any, task: Any) -> Row:
     row = Row(spec.name, wl.name, spec.domain, threads)
     case = make_case(spec, wl, ctx.epilogue)
-    contenders = _edgetune(spec, wl, threads, ctx.hw, ctx.runner, ctx.tuned_of, row, ctx.min_time_s)
+    contenders = _edgetune(spec, wl, threads, ctx.hw, ctx.runner, ctx.tuned_of, row, case.epilogue.act,
+                           ctx.min_time_s)
     contenders += _peers(case, threads, ctx.numpy_proc, row, ctx.min_time_s)
     for r, j in shuffled_rounds(len(contenders), ctx.rounds, seed=ctx.seed):
         contenders[j].sample()
@@ -309,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     load1 = os.getloadavg()
     header = [f"# {hw.cpu_model}, {hw.isa}, {hw.cores} cores; load 1/5/15 min before {_load(load0)}",
               f"# peers: {', '.join(f'{k} {v}' for k, v in versions.items())}; epilogue {epilogue.label}"
-              + ("" if epilogue.label == "none" else " (peers only: edgetune's kernels take none yet)"),
+              + _epilogue_note(epilogue, [s for s, _ in todo]),
               f"# {args.rounds} interleaved rounds, {args.min_time * 1e3:.0f} ms per contender per round"]
     render(rows, args.threads, header, [f"# load 1/5/15 min after {_load(load1)}"])
     if args.json:
@@ -322,6 +323,13 @@ def run(args: argparse.Namespace) -> int:
                            for t in args.threads}}
         Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
     return 0
+
+
+def _epilogue_note(epilogue: Epilogue, specs: list[KernelSpec]) -> str:
+    fused = sorted({s.name for s in specs if fuses_epilogue(s)})
+    if fused:
+        return f" (the bias is the kernel's own input for {', '.join(fused)}, where edgetune runs the epilogue too)"
+    return "" if epilogue.label == "none" else " (peers only: edgetune's kernels take none yet)"
 
 
 def _numpy_process(todo: list[tuple[KernelSpec, Workload]]) -> Any:

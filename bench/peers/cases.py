@@ -1,10 +1,12 @@
 """What every peer of one workload is given and checked against: the kernel's inputs, an optional epilogue, the
 reference output.
 
-The inputs are the spec's own (`make_inputs`, seed 0, in the kernel's ABI order and layout); each peer module
-converts them to its native layout outside the timed region. Today's kernels have no epilogue, so the default is
-none; `--bias`/`--act` give every peer a bias vector and ReLU/ReLU6 (fused where the peer fuses them) and extend the
-reference to match, so the comparison stays fair once the kernels take the same epilogue.
+The inputs are the spec's own (`make_inputs`, seed 0, in the kernel's ABI order and layout: data, weights[, bias]);
+each peer module converts them to its native layout outside the timed region. A kernel whose spec fuses the epilogue
+(`spec.epilogue`) has the bias as its third input, already added by its reference; every peer then takes that bias,
+and `--act` applies to the kernel and peers alike. For a kernel without one, the default is no epilogue, and
+`--bias`/`--act` give the peers a bias vector and ReLU/ReLU6 (fused where the peer fuses them) and extend the
+reference to match.
 """
 
 from __future__ import annotations
@@ -68,10 +70,18 @@ class PeerCase:
         return None
 
 
+def fuses_epilogue(spec: KernelSpec) -> bool:
+    """Whether the kernel itself takes the bias (as an input) and the activation (as a runtime argument)."""
+    return bool(getattr(spec, "epilogue", False))
+
+
 def make_case(spec: KernelSpec, wl: Workload, epilogue: Epilogue = Epilogue()) -> PeerCase:
     inputs = [np.ascontiguousarray(a, dtype=np.float32)
               for a in spec.make_inputs(wl.shape, np.random.default_rng(0))]
     want = spec.reference(wl.shape, inputs)[0]
+    if fuses_epilogue(spec):  # the reference has added the kernel's bias input
+        ep = Epilogue(True, epilogue.act)
+        return PeerCase(spec, wl, inputs, inputs[2], ep, ep.apply(want, None))
     ep = epilogue if spec.name in EPILOGUE_KERNELS else Epilogue()
     bias = (np.random.default_rng(1).standard_normal(want.shape[-1]) * 0.5).astype(np.float32) if ep.bias else None
     return PeerCase(spec, wl, inputs, bias, ep, ep.apply(want, bias))

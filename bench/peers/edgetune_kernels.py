@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.peers.cases import fuses_epilogue
 from edgetune import paths
 from edgetune.errors import BadInput
 from kernels.space import Config, enum
@@ -110,15 +111,17 @@ class EdgetunePeer:
     """One edgetune config as a contender: each round is one checked, timed measurement in the kernel worker, as
     the tuner measures (so the thread runtime and wait policy are the worker's)."""
 
-    def __init__(self, name: str, runner: Any, spec: KernelSpec, wl: Workload, so_path: Path,
+    def __init__(self, name: str, runner: Any, spec: KernelSpec, wl: Workload, so_path: Path, act: str = "none",
                  min_time_s: float = 0.02):
         self.name, self.runner, self.spec, self.wl, self.so, self.min_time_s = name, runner, spec, wl, so_path, min_time_s
+        # a kernel that fuses the activation runs it (the worker checks against the reference with it applied)
+        self.act = {"act": act} if fuses_epilogue(spec) else {}
         self.times: list[float | None] = []
         self.error: str | None = None
 
     def sample(self) -> None:
         m = self.runner.measure(self.spec, self.wl.shape, self.so, min_time_s=self.min_time_s, max_reps=15,
-                                timeout_s=30)
+                                timeout_s=30, **self.act)
         self.times.append(m.ms if m.ok else None)
         if not m.ok:
             self.error = m.reason
