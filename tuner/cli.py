@@ -26,6 +26,11 @@ from tuner.objective import OBJECTIVES, Objective
 from tuner.session import Budget, Session
 from tuner.strategies import DEFAULT_STRATEGY, STRATEGIES, check_strategy
 
+TWIN_NOTE = ("ORT twin ms: one sess.run of the kernel's ONNX twin (kernels/ort_twin.py), wall time from Python on all "
+             "cores, right after tuning. The twin reads the kernel's layout, so it includes NHWC<->NCHW and weight "
+             "transposes, weights fed as inputs and the call overhead: it is the correctness oracle, not a fair "
+             "speed peer. For edgetune against onnxruntime and XNNPACK, quote bench/kernels_vs_peers.py.")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="tune kernels on this device (default: every bundled kernel and workload)")
@@ -48,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     json_flag(p)
     p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("report", help="the active configs: default vs tuned vs onnxruntime")
+    p = sub.add_parser("report", help="the active configs: default vs tuned, and the ONNX twin's time")
     p.add_argument("--reset", action="store_true", help="move a corrupt results DB aside first (never deletes)")
     json_flag(p)
     p.set_defaults(func=cmd_report)
@@ -226,11 +231,12 @@ def cmd_report(args: argparse.Namespace) -> int:
         if not rs:
             print("nothing tuned yet: run `edgetune tune`")
             return
-        table("active configs", ["kernel", "workload", "default ms", "tuned ms", "speedup", "ORT ms", "tuned/ORT",
-                                 "evals", "tuned_at"], [
+        table("active configs", ["kernel", "workload", "default ms", "tuned ms", "speedup", "ORT twin ms",
+                                 "tuned/twin", "evals", "tuned_at"], [
             [r["kernel"], r["workload"] + (" (pinned)" if r["pinned"] else ""), fmt(r["default_ms"], 4),
              fmt(r["tuned_ms"], 4), fmt(r["speedup"], 2), fmt(r["ort_ms"], 4), fmt(r["tuned_vs_ort"], 2),
              r["evals"], _when(r["tuned_at"])] for r in rs])
+        console.print(TWIN_NOTE, highlight=False)
 
     emit(rows, args.json, render)
     return 0

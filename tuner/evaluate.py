@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from kernels.build import CompileError, build_many
 from kernels.measure import Measurement
@@ -51,18 +51,28 @@ class Rounds:
                            estimator="median-of-interleaved", max_abs_err=max(m.max_abs_err or 0 for m in good),
                            load1=good[-1].load1, energy_j=statistics.median(energies) if energies else None)
 
+    def times(self, i: int) -> list[float | None]:
+        """Config i's ms per round (None where it failed)."""
+        return [m.ms if m.ok else None for m in self.per[i]]
+
     def ratios_to(self, ref: int = 0) -> list[float | None]:
-        """Each config's median over rounds of its ms over config `ref`'s ms in the same round (None: no round
-        where both measured ok)."""
-        out = []
-        for ms in self.per:
-            paired = [a.ms / b.ms for a, b in zip(ms, self.per[ref]) if a.ok and b.ok and a.ms and b.ms]
-            out.append(statistics.median(paired) if paired else None)
-        return out
+        """Each config's same-round ratio to config `ref` (see same_round_ratio)."""
+        return [same_round_ratio(self.times(i), self.times(ref)) for i in range(len(self.per))]
 
     def median_ms(self, i: int) -> float | None:
-        ok = [m.ms for m in self.per[i] if m.ok]
-        return statistics.median(ok) if ok else None
+        return median_time(self.times(i))
+
+
+def same_round_ratio(times: Sequence[float | None], ref: Sequence[float | None]) -> float | None:
+    """The median over rounds of times[r] / ref[r], skipping rounds where either failed (None or 0): drift within
+    minutes hits both sides of a round alike, and an outlier round is voted down."""
+    paired = [a / b for a, b in zip(times, ref) if a and b]
+    return statistics.median(paired) if paired else None
+
+
+def median_time(times: Sequence[float | None]) -> float | None:
+    ok = [t for t in times if t]
+    return statistics.median(ok) if ok else None
 
 
 def interleave_plan(n: int, rounds: int, seed: int | str = 0) -> list[int]:

@@ -1,0 +1,19 @@
+"""One round's sample of an in-process peer. The rounds themselves (seeded shuffled order, same-round ratios) are
+tuner.evaluate's, the one interleave protocol."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def time_calls(fn: Callable[[], object], min_time_s: float, min_calls: int = 3) -> float:
+    """Median ms of one call of `fn` over at least `min_calls` calls filling `min_time_s`: one round's sample of
+    an in-process peer."""
+    calls, t0 = [], time.perf_counter()
+    while len(calls) < min_calls or time.perf_counter() - t0 < min_time_s:
+        t = time.perf_counter()
+        fn()
+        calls.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(calls)
