@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import time
 from typing import Any
 
 from edgetune import config as config_mod
 from daemon import control, firmware
-from edgetune.errors import BadInput
+from edgetune.errors import BadInput, EdgetuneError
+from edgetune.sqlite import DBError, DBFull
 from edgetune.output import console, emit, fmt, json_flag, progress, table
+
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("daemon", help="run the tuning daemon (systemd runs this; logs go to stderr)")
     p.add_argument("--config", metavar="FILE", help="one TOML file instead of /etc/edgetune/edgetune.toml + conf.d")
+    p.add_argument("--reset", action="store_true",
+                   help="move a corrupt results DB aside first (renamed, never deleted) and start a fresh one")
     json_flag(p)
     p.set_defaults(func=cmd_daemon)
 
@@ -57,10 +64,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_notify_firmware)
 
 
+class CannotStart(EdgetuneError):
+    """A DB the daemon must not replace by itself is unusable: exit 78 (EX_CONFIG), which the systemd unit does
+    not restart (RestartPreventExitStatus), since restarting cannot help; the message names the fix."""
+
+    exit_code = 78
+
+
 def cmd_daemon(args: argparse.Namespace) -> int:
     from daemon.service import Daemon  # the heavy imports only for the daemon itself
+    from tuner.db import ResultsDB
 
-    return Daemon(config_mod.load_or_raise(args.config), args.config).run()
+    cfg = config_mod.load_or_raise(args.config)
+    if args.reset:
+        aside = ResultsDB.reset()
+        if aside:
+            log.warning("--reset: moved the results DB aside to %s; starting a fresh one", aside)
+    try:
+        return Daemon(cfg, args.config).run()
+    except DBError as e:
+        if isinstance(e, DBFull):
+            raise
+        raise CannotStart(str(e)) from e
 
 
 def _one(req: dict) -> dict:

@@ -87,6 +87,7 @@ class Scheduler:
         self._current: Job | None = None
         self._progress: tuple[float, str] = (0.0, "")
         self._stopping = False
+        self._paused = False
         self._child: subprocess.Popen | None = None
         self._thread = threading.Thread(target=self._run, name="tuner", daemon=True)
 
@@ -111,10 +112,17 @@ class Scheduler:
             if self._child:
                 self._child.terminate()  # the child checkpoints after its measurement in flight
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread.ident is not None:  # never started (the start-up failed): nothing to join
+            self._thread.join()
         with self._cond:
             left, self._pending = self._pending, None
         return left
+
+    def pause(self, paused: bool) -> None:
+        """Hold back the next workload (a full disk) until resumed; the one in flight finishes or fails."""
+        with self._cond:
+            self._paused = paused
+            self._cond.notify_all()
 
     def snapshot(self) -> dict:
         with self._cond:
@@ -145,6 +153,9 @@ class Scheduler:
     def _idle(self, job: Job) -> bool:
         """Wait (if the job is background work) until load1 per core is under the threshold; False on stop."""
         with self._cond:
+            while self._paused and not self._stopping:
+                self.state = "paused"
+                self._cond.wait()
             while job.wait_idle and not self._stopping and load_per_core() >= self.idle_threshold:
                 if self.state != "waiting-idle":
                     log.info("waiting for idle: load1 per core %.2f >= %.2f", load_per_core(), self.idle_threshold)
