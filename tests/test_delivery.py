@@ -180,3 +180,80 @@ def test_the_listener_reconnect_backoff_is_capped_at_a_few_seconds(mosquitto, tm
         assert lst.settings.reconnect_max_s <= 5.0
     finally:
         lst.store.close()
+
+
+# ---- 3: a full disk pauses the daemon, which resumes when space returns ------------------------------------------
+
+def test_a_full_disk_pauses_telemetry_and_tuning_and_space_resumes_them(tmp_path, mosquitto):
+    with tmpfs(tmp_path / "fs") as fs:
+        bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/telemetry",))
+        d = DaemonProc(daemon_config(tmp_path, mosquitto, telemetry_interval_s=0.2),
+                       env={**os.environ, "STATE_DIRECTORY": str(fs)}).start()
+        try:
+            d.wait_status(lambda s: s["state"] == "idle" and s["last_tune"] is not None, T)
+            filler = fill(fs)
+            st = d.wait_status(lambda s: s["state"] == "paused", T)
+            assert "disk full" in st["paused"]
+            d.request({"op": "retune", "force": True, "budget": 2})  # accepted or refused, never a crash
+            filler.unlink()
+            st = d.wait_status(lambda s: s["state"] != "paused" and s["paused"] is None, T)
+            since = len(bus.msgs)
+            bus.wait(lambda m: True, T, "telemetry after the disk had space again", since=since)
+            assert d.signal(15) == 0
+            assert "Traceback" not in d.log and "paused: disk full" in d.log and "resuming" in d.log
+        finally:
+            d.stop()
+            bus.close()
+
+
+def test_a_daemon_started_on_a_full_disk_waits_paused_then_starts(tmp_path):
+    with tmpfs(tmp_path / "fs") as fs:
+        filler = fill(fs)
+        d = DaemonProc(daemon_config(tmp_path, None), env={**os.environ, "STATE_DIRECTORY": str(fs)}).start()
+        try:
+            st = d.wait_status(lambda s: s["state"] == "paused", T)
+            assert "disk full" in st["paused"]
+            filler.unlink()
+            d.wait_status(lambda s: s["state"] == "idle" and s["last_tune"] is not None, T)
+            assert d.signal(15) == 0
+            assert "Traceback" not in d.log
+        finally:
+            d.stop()
+
+
+# ---- 4: corrupt DBs: the re-derivable ones are moved aside, the results DB stops the daemon with its fix ---------
+
+def test_corrupt_daemon_and_outbox_dbs_are_moved_aside_and_started_afresh(tmp_path):
+    state = Path(os.environ["STATE_DIRECTORY"])
+    state.mkdir(parents=True, exist_ok=True)
+    for name in ("daemon.db", "outbox.db"):
+        (state / name).write_bytes(b"this is not a database " * 200)
+    d = DaemonProc(daemon_config(tmp_path, None)).start()
+    try:
+        d.wait_status(lambda s: s["state"] == "idle", T)
+        for name in ("daemon.db", "outbox.db"):
+            aside = list(state.glob(f"{name}.broken-*"))
+            assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not a database")
+            assert f"{state / name} is corrupt" in d.log and f"moved it aside to {aside[0]}" in d.log
+        assert d.signal(15) == 0
+        assert "Traceback" not in d.log
+    finally:
+        d.stop()
+
+
+def test_a_corrupt_results_db_stops_the_daemon_naming_a_fix_it_accepts(tmp_path):
+    state = Path(os.environ["STATE_DIRECTORY"])
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "results.db").write_bytes(b"garbage " * 1000)
+    d = DaemonProc(daemon_config(tmp_path, None)).start()
+    try:
+        assert d.proc.wait(T) == 78  # the unit's RestartPreventExitStatus: no restart loop
+        log = d.log
+        assert "results DB" in log and "is corrupt" in log and "edgetune daemon --reset" in log
+        assert "Traceback" not in log and "cannot join thread" not in log
+        d.start("--reset")  # the fix the message names
+        d.wait_status(lambda s: s["state"] == "idle" and s["last_tune"] is not None, T)
+        assert [p.read_bytes()[:8] for p in state.glob("results.db.broken-*")] == [b"garbage "]
+        assert d.signal(15) == 0
+    finally:
+        d.stop()
