@@ -69,8 +69,12 @@ def main() -> int:
     from tuner.session import Budget, Session
 
     def send(doc: dict) -> None:
-        out.write(json.dumps(doc, default=str) + "\n")
-        out.flush()
+        try:
+            out.write(json.dumps(doc, default=str) + "\n")
+            out.flush()
+        except BrokenPipeError:  # the daemon died (kill -9): the journal holds the work, nobody reads this
+            stop["now"] = True
+            sys.stderr = open(os.devnull, "w")  # nor the interpreter's complaint about the pipe at exit
 
     req = json.loads(sys.stdin.readline())
     spec = get_spec(req["kernel"])

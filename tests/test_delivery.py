@@ -257,3 +257,48 @@ def test_a_corrupt_results_db_stops_the_daemon_naming_a_fix_it_accepts(tmp_path)
         assert d.signal(15) == 0
     finally:
         d.stop()
+
+
+# ---- 6: interrupted forced sessions resume, or are closed `interrupted` and published -----------------------------
+
+def test_interrupted_forced_tunes_resume_or_are_closed_and_published(tmp_path, mosquitto):
+    from tests.test_daemon_support import WORKLOAD_PW4
+
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/tuning/record",))
+    d = DaemonProc(daemon_config(tmp_path, mosquitto, workload=WORKLOAD_PW4)).start()
+    results = Path(os.environ["STATE_DIRECTORY"]) / "results.db"
+
+    def running() -> tuple[int, int]:
+        with sqlite3.connect(results) as db:
+            return db.execute("SELECT s.id, count(m.id) FROM sessions s JOIN measurements m ON m.session_id = s.id "
+                              "WHERE s.state='running' GROUP BY s.id").fetchone()
+
+    def forced(budget: int) -> None:
+        d.request({"op": "retune", "force": True, "budget": budget})
+        # early in the search, so the kill lands mid-session and not in the finals
+        d.wait_status(lambda s: "kws_dscnn.pw4 best" in ((s.get("job") or {}).get("message") or "")
+                      and s["job"]["progress"] < 0.5, 120)
+        d.kill9()
+
+    try:
+        d.wait_status(lambda s: s["state"] == "idle" and s["last_tune"] is not None, 120)  # the start-up tune
+        forced(30)
+        sid, done = running()
+        d.start()
+        d.wait_status(lambda s: s["state"] == "idle", T)
+        forced(30)  # the same forced retune again: it resumes the interrupted session instead of starting over
+        assert f"resuming session {sid}" in d.log
+        sid2, done2 = running()
+        assert sid2 == sid and done2 >= done
+
+        d.start()
+        d.wait_status(lambda s: s["state"] == "idle", T)
+        d.request({"op": "retune", "force": True, "budget": 2, "wait": False})  # other params: supersedes it
+        rec = bus.on("/tuning/record", lambda r: r["id"] == sid, 120)
+        assert rec["state"] == "interrupted"
+        assert len([m for m in rec["measurements"] if m["phase"] == "search"]) >= done2
+        assert "closed 1 earlier unfinished session(s)" in d.log
+        assert d.signal(15) == 0
+    finally:
+        d.stop()
+        bus.close()
