@@ -7,6 +7,7 @@ import json
 import os
 import sqlite3
 import subprocess
+import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -307,6 +308,65 @@ def test_interrupted_forced_tunes_resume_or_are_closed_and_published(tmp_path, m
         if sessions[sid] == "interrupted":  # else the orphaned child finished it before it saw the kill
             assert "closed 1 earlier unfinished session(s)" in d.log
         assert d.signal(15) == 0
+    finally:
+        d.stop()
+        bus.close()
+
+
+# ---- 5: commands reach a device that was away, or are marked expired --------------------------------------------
+
+def test_a_command_sent_while_the_device_is_away_reaches_it_when_it_returns(tmp_path, mosquitto):
+    """The test config's will delay is 0: before, the session ended with the will, and the command with it."""
+    from fleet.commands import new_command
+
+    d = DaemonProc(daemon_config(tmp_path, mosquitto)).start()
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/cmd/res/#",))
+    try:
+        d.wait_status(lambda s: s.get("broker", {}).get("connected") and s["state"] == "idle", T)
+        d.kill9()
+        cmd = new_command("ping", ttl_s=600)
+        bus.publish(Topics(DEV).cmd_req, encode(cmd))
+        d.start()
+        assert bus.on(f"/cmd/res/{cmd['id']}", lambda r: r["status"] == "succeeded", T)["result"]["pong"]
+        assert d.signal(15) == 0
+    finally:
+        d.stop()
+        bus.close()
+
+
+def test_a_command_nobody_answers_is_marked_expired_in_the_fleet_db_and_on_the_cli(tmp_path, mosquitto):
+    from fleet.commands import new_command
+
+    db = tmp_path / "fleet.db"
+    lst = listener(mosquitto, db)
+    bus = Bus(mosquitto, ())
+    try:
+        cmd = new_command("ping", ttl_s=0.5)
+        bus.publish(Topics("dev-gone").cmd_req, encode(cmd))
+        assert lst.wait_for(lambda c: c["expired"] >= 1, T), dict(lst.counts)
+    finally:
+        bus.close()
+        lst.stop()
+    with FleetStore(db) as s:
+        assert s.command("dev-gone", cmd["id"])["status"] == "expired"
+    r = subprocess.run([sys.executable, "-m", "edgetune.main", "fleet", "show", "dev-gone", "--db", str(db)],
+                       capture_output=True, text=True, timeout=T)
+    assert r.returncode == 0 and "expired" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "edgetune.main", "fleet", "retune", "dev-gone", "--broker",
+                        f"{mosquitto.host}:{mosquitto.port}", "--ttl", "0.2", "--wait", "--timeout", "2"],
+                       capture_output=True, text=True, timeout=T)
+    assert r.returncode == 1 and "expired" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_nan_and_infinite_expires_at_are_rejected(tmp_path, mosquitto):
+    d = DaemonProc(daemon_config(tmp_path, mosquitto)).start()
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/cmd/res/#",))
+    try:
+        d.wait_status(lambda s: s.get("broker", {}).get("connected"), T)
+        for i, bad in enumerate(("NaN", "Infinity", "-Infinity")):
+            bus.publish(Topics(DEV).cmd_req, f'{{"id": "bad-{i}", "op": "ping", "expires_at": {bad}}}')
+            r = bus.on(f"/cmd/res/bad-{i}", lambda r: r["status"] in ("rejected", "succeeded"), T)
+            assert r["status"] == "rejected" and "bad expires_at" in r["reason"]
     finally:
         d.stop()
         bus.close()
