@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import stat
 import time
 from typing import Any
 
@@ -163,11 +165,14 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     cfg = dataclasses.asdict(loaded.config)
     if cfg["mqtt"]["password"] is not None:
         cfg["mqtt"]["password"] = "***"
+    warnings = secret_warnings(loaded.config, loaded.files)
     doc = {"ok": not loaded.problems, "files": loaded.files, "config": cfg,
-           "problems": [dataclasses.asdict(p) for p in loaded.problems]}
+           "problems": [dataclasses.asdict(p) for p in loaded.problems], "warnings": warnings}
 
     def render(d: dict) -> None:
         where = ", ".join(d["files"]) or "no config files (defaults)"
+        for w in d["warnings"]:
+            console.print(f"[yellow]warning[/yellow]: {w}", highlight=False, markup=False)
         if d["ok"]:
             console.print(f"[green]config OK[/green]: {where}; device id {cfg['device_id']}", highlight=False)
             return
@@ -177,6 +182,25 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
     emit(doc, args.json, render)
     return 2 if loaded.problems else 0
+
+
+def secret_warnings(cfg: Any, files: list[str]) -> list[str]:
+    """What is valid but exposes the broker password: sent without TLS, or stored where every user can read it."""
+    if cfg.mqtt.password is None:
+        return []
+    out = []
+    if not cfg.mqtt.tls.enabled:
+        out.append(f"mqtt.password goes to {cfg.mqtt.label} in clear text: enable TLS ([mqtt.tls] ca, or "
+                   "enabled = true)")
+    for f in files:
+        try:
+            mode, text = os.stat(f).st_mode, open(f).read()
+        except OSError:
+            continue
+        if mode & stat.S_IROTH and "password" in text:
+            out.append(f"{f} holds mqtt.password and is readable by every user (mode {stat.S_IMODE(mode):o}): "
+                       f"chmod 600 {f} (or 640 with the daemon's group)")
+    return out
 
 
 def cmd_notify_firmware(args: argparse.Namespace) -> int:

@@ -356,6 +356,8 @@ class Client:
         while not self._fell_back:
             sock = client.socket()
             if sock is None:
+                if not self.connected:
+                    self._error(self._closed_before_connack())
                 return
             if self._stop.is_set() or self._drop:
                 self._disconnect(client)
@@ -378,6 +380,12 @@ class Client:
             client.loop_misc()
             if self.connected and self._conn is not None:
                 self._tick(self._conn)
+
+    def _closed_before_connack(self) -> str:
+        s = self.settings
+        hint = ("; a TLS listener does that to a plaintext client: if the port speaks TLS, set [mqtt] tls "
+                "(or `--tls`)") if not s.tls.enabled else "; check the broker's log for why"
+        return f"broker {s.label} closed the connection before answering (no CONNACK){hint}"
 
     def _tick(self, conn: Connection) -> None:
         while True:

@@ -370,3 +370,69 @@ def test_nan_and_infinite_expires_at_are_rejected(tmp_path, mosquitto):
     finally:
         d.stop()
         bus.close()
+
+
+# ---- 7: the smaller cases -----------------------------------------------------------------------------------------
+
+def test_plaintext_mqtt_at_a_tls_port_says_why(tmp_path):
+    from tests.broker import make_certs
+
+    certs = make_certs(tmp_path)
+    broker = Mosquitto(tmp_path / "broker", extra_conf=[
+        f"cafile {certs['ca.crt']}", f"certfile {certs['server.crt']}", f"keyfile {certs['server.key']}"]).start()
+    d = DaemonProc(daemon_config(tmp_path, broker)).start()
+    try:
+        st = d.wait_status(lambda s: (s.get("broker") or {}).get("last_error") is not None, T)
+        assert "set [mqtt] tls" in st["broker"]["last_error"], st["broker"]
+        assert not st["broker"]["connected"]
+    finally:
+        d.stop()
+        broker.stop()
+
+
+def test_config_check_warns_about_a_password_without_tls_in_a_world_readable_file(tmp_path, mosquitto):
+    cfg = daemon_config(tmp_path, mosquitto, mqtt={"username": "edge", "password": "s3cret"})
+    cfg.chmod(0o644)
+    d = DaemonProc(cfg)
+    r = d.cli("config", "check", "--config", str(cfg), "--json")
+    assert r.returncode == 0, r.stderr
+    warnings = json.loads(r.stdout)["warnings"]
+    assert any("clear text" in w and "TLS" in w for w in warnings), warnings
+    assert any(f"chmod 600 {cfg}" in w for w in warnings), warnings
+    cfg.chmod(0o600)
+    warnings = json.loads(d.cli("config", "check", "--config", str(cfg), "--json").stdout)["warnings"]
+    assert not any("chmod" in w for w in warnings) and len(warnings) == 1
+
+
+def test_a_runtime_dir_in_tmp_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
+    from edgetune import paths
+    from edgetune.errors import EdgetuneError
+
+    fake = tmp_path / "shared-tmp-dir"
+    fake.mkdir(mode=0o777)
+    fake.chmod(0o777)
+    with pytest.raises(EdgetuneError, match="not private to uid"):
+        paths._private(fake)
+    os.chown(fake, 4242, 4242)
+    fake.chmod(0o700)
+    with pytest.raises(EdgetuneError, match="owner uid 4242"):
+        paths._private(fake)
+    mine = tmp_path / "mine"
+    assert paths._private(mine) == mine and (mine.stat().st_mode & 0o777) == 0o700
+
+
+def test_kill9_leaves_no_broken_pipe_traceback_from_the_tune_child(tmp_path):
+    from tests.test_daemon_support import WORKLOAD_PW4
+
+    d = DaemonProc(daemon_config(tmp_path, None, workload=WORKLOAD_PW4, tuning={"budget": 30})).start()
+    try:
+        d.wait_status(lambda s: "kws_dscnn.pw4 best" in ((s.get("job") or {}).get("message") or ""), 120)
+        d.kill9()
+        lock = Path(os.environ["STATE_DIRECTORY"]) / "tune.lock"
+        import fcntl
+
+        with open(lock) as f:  # the orphaned child holds it until it has exited
+            fcntl.flock(f, fcntl.LOCK_EX)
+        assert "BrokenPipeError" not in d.log and "Traceback" not in d.log, d.log[-3000:]
+    finally:
+        d.stop()
