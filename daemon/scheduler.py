@@ -43,6 +43,7 @@ class Job:
     wait_idle: bool = False
     objective: str = "latency"
     power: PowerConfig = field(default_factory=PowerConfig)  # the [power] meter, for energy/edp objectives
+    max_s: float | None = None  # a time cap per workload (fleet commands), on top of the evals budget
 
     def merge(self, later: "Job") -> None:
         """Coalesce a later request: union of targets (force if either forces), the later strategy and budget."""
@@ -51,6 +52,7 @@ class Job:
             self.targets[name] = Target(t.spec, t.workload, force=t.force or bool(old and old.force))
         self.strategy, self.budget = later.strategy, later.budget
         self.objective, self.power = later.objective, later.power
+        self.max_s = None if self.max_s is None or later.max_s is None else max(self.max_s, later.max_s)
         self.origin = max(self.origin, later.origin, key=ORIGIN_RANK.index)
         self.command_ids += later.command_ids
         self.wait_idle = self.wait_idle and later.wait_idle
@@ -204,7 +206,8 @@ class Scheduler:
         env = dict(os.environ, EDGETUNE_DAEMON_PID=str(os.getpid()))
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         req = tunejob.request(t.spec, t.workload, force=t.force, strategy=job.strategy, budget=job.budget,
-                              origin=job.origin, hw=self.hw, objective=job.objective, power=job.power)
+                              origin=job.origin, hw=self.hw, objective=job.objective, power=job.power,
+                              max_s=job.max_s)
         # its own session: a terminal's ^C must not reach the child and its measuring worker mid-measurement;
         # the daemon decides, and stops it with SIGTERM
         with subprocess.Popen([sys.executable, "-m", "daemon.tunejob"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

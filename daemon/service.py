@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 10.0  # at stop: how long to let the broker acknowledge what is queued
 DISK_RETRY_S = 5.0  # while paused on a full disk: how often to try again
+# what one fleet command may cost a device: custom-shape buffers, and tuning time per workload (the evals budget
+# alone allows 100000 evals of anything)
+COMMAND_MAX_INPUT_MB = 64.0
+COMMAND_MAX_S = 1800.0
 PROGRESS_EVERY_S = 0.5  # in_progress responses per command, at most this often
 
 
@@ -333,7 +337,13 @@ class Daemon:
 
     def _check(self, cmd: Command) -> None:
         if cmd.op == "retune":
-            targets.select(self.pairs, cmd.args.get("kernels"), cmd.args.get("workloads"))
+            pairs = targets.select(self.pairs, cmd.args.get("kernels"), cmd.args.get("workloads"))
+            if cmd.origin == "fleet":
+                for spec, wl in pairs:
+                    mb = spec.bytes_moved(wl.shape) / 1e6
+                    if wl.source == "custom shape" and mb > COMMAND_MAX_INPUT_MB:
+                        raise BadInput(f"{spec.name}/{wl.name} needs about {mb:,.0f} MB of buffers; a fleet "
+                                       f"command may ask for custom shapes up to {COMMAND_MAX_INPUT_MB:.0f} MB")
 
     def _execute(self, cmd: Command) -> None:
         if cmd.op != "retune":
@@ -346,7 +356,7 @@ class Daemon:
         self.scheduler.submit(Job({t.name: t for t in ts}, a.get("strategy", self.cfg.tuning.strategy),
                                   a.get("budget", self.cfg.tuning.budget), "firmware-hook" if firmware_hook else "cmd",
                                   [cmd.id], wait_idle=firmware_hook, objective=self.cfg.tuning.objective,
-                                  power=self.cfg.power))
+                                  power=self.cfg.power, max_s=COMMAND_MAX_S if cmd.origin == "fleet" else None))
 
     def _run_op(self, cmd: Command) -> None:
         try:

@@ -436,3 +436,39 @@ def test_kill9_leaves_no_broken_pipe_traceback_from_the_tune_child(tmp_path):
         assert "BrokenPipeError" not in d.log and "Traceback" not in d.log, d.log[-3000:]
     finally:
         d.stop()
+
+
+def test_a_fleet_command_may_not_ask_for_a_huge_custom_shape(tmp_path, mosquitto):
+    d = DaemonProc(daemon_config(tmp_path, mosquitto)).start()
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/cmd/res/#",))
+    try:
+        d.wait_status(lambda s: s.get("broker", {}).get("connected"), T)
+        huge = {"id": "huge-1", "op": "retune", "args": {"workloads": ["gemm/custom.M4000-N4000-K4000"],
+                                                        "budget": 100000}}
+        bus.publish(Topics(DEV).cmd_req, encode(huge))
+        r = bus.on("/cmd/res/huge-1", lambda r: r["status"] != "accepted", T)
+        assert r["status"] == "rejected" and "192 MB" in r["reason"] and "64 MB" in r["reason"], r
+    finally:
+        d.stop()
+        bus.close()
+
+
+def test_stale_retained_state_and_progress_are_coalesced_while_offline(tmp_path):
+    broker = Mosquitto(tmp_path / "broker").start()
+    d = DaemonProc(daemon_config(tmp_path, broker)).start()
+    try:
+        d.wait_status(lambda s: s.get("broker", {}).get("connected") and s["state"] == "idle", T)
+        broker.stop()
+        d.wait_status(lambda s: not s["broker"]["connected"], T)
+        for _ in range(3):
+            d.request({"op": "retune", "force": True, "budget": 2})
+            d.wait_status(lambda s: s["state"] == "idle" and s["queue"]["jobs"] == 0, T)
+        st = d.wait_status(lambda s: s["state"] == "idle", T)
+        assert st["outbox"]["coalesced"] > 0
+        with sqlite3.connect(d.state_dir / "outbox.db") as db:
+            per_topic = db.execute("SELECT topic, count(*) FROM outbox WHERE replaceable = 1 AND sent_at IS NULL "
+                                   "GROUP BY topic").fetchall()
+        assert per_topic and all(n == 1 for _, n in per_topic), per_topic
+    finally:
+        d.stop()
+        broker.stop()
