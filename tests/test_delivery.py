@@ -472,3 +472,19 @@ def test_stale_retained_state_and_progress_are_coalesced_while_offline(tmp_path)
     finally:
         d.stop()
         broker.stop()
+
+
+def test_the_shipped_fleet_broker_config_is_accepted_by_mosquitto(tmp_path):
+    """systemd/mosquitto-fleet.conf as shipped, on a test port and a private persistence dir."""
+    conf = (Path(__file__).resolve().parent.parent / "systemd" / "mosquitto-fleet.conf").read_text()
+    kept = [ln for ln in conf.splitlines() if ln.strip() and not ln.startswith("#")
+            and not ln.startswith(("listener", "persistence"))]
+    assert any(ln.startswith("max_queued_messages") and int(ln.split()[1]) >= 100000 for ln in kept)
+    broker = Mosquitto(tmp_path / "broker", extra_conf=kept).start()
+    try:
+        bus = Bus(broker, ("edgetune/v1/#",))
+        bus.publish("edgetune/v1/dev-conf/status", encode({"state": "online"}))
+        assert bus.on("/status")["state"] == "online"
+        bus.close()
+    finally:
+        broker.stop()
