@@ -24,6 +24,7 @@ from typing import Callable
 from daemon.outbox import Outbox
 from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message, Will
 from edgetune.protocol import ACK, ProtocolError, Topics, decode
+from edgetune.sqlite import DBError
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +143,14 @@ class Link(Handler):
             self._drained.notify_all()
 
     def _settle(self) -> None:
-        """Delete acknowledged rows, and tell flush() waiters."""
+        """Delete acknowledged rows, and tell flush() waiters. On a full disk they stay for the next tick (the
+        daemon pauses and says why); a row deleted late is at worst sent again."""
         if self._acked:
-            self.outbox.ack(self._acked)
+            try:
+                self.outbox.ack(self._acked)
+            except DBError as e:
+                log.warning("mqtt: cannot mark %d acknowledged row(s) yet: %s", len(self._acked), e)
+                return
             self._acked = []
             with self._drained:
                 self._drained.notify_all()
