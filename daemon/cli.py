@@ -8,18 +8,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
+import stat
 import time
 from typing import Any
 
 from edgetune import config as config_mod
 from daemon import control, firmware
-from edgetune.errors import BadInput
+from edgetune.errors import BadInput, EdgetuneError
+from edgetune.sqlite import DBError, DBFull
 from edgetune.output import console, emit, fmt, json_flag, progress, table
+
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("daemon", help="run the tuning daemon (systemd runs this; logs go to stderr)")
     p.add_argument("--config", metavar="FILE", help="one TOML file instead of /etc/edgetune/edgetune.toml + conf.d")
+    p.add_argument("--reset", action="store_true",
+                   help="move a corrupt results DB aside first (renamed, never deleted) and start a fresh one")
     json_flag(p)
     p.set_defaults(func=cmd_daemon)
 
@@ -57,10 +66,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_notify_firmware)
 
 
+class CannotStart(EdgetuneError):
+    """A DB the daemon must not replace by itself is unusable: exit 78 (EX_CONFIG), which the systemd unit does
+    not restart (RestartPreventExitStatus), since restarting cannot help; the message names the fix."""
+
+    exit_code = 78
+
+
 def cmd_daemon(args: argparse.Namespace) -> int:
     from daemon.service import Daemon  # the heavy imports only for the daemon itself
+    from tuner.db import ResultsDB
 
-    return Daemon(config_mod.load_or_raise(args.config), args.config).run()
+    cfg = config_mod.load_or_raise(args.config)
+    if args.reset:
+        aside = ResultsDB.reset()
+        if aside:
+            log.warning("--reset: moved the results DB aside to %s; starting a fresh one", aside)
+    try:
+        return Daemon(cfg, args.config).run()
+    except DBError as e:
+        if isinstance(e, DBFull):
+            raise
+        raise CannotStart(str(e)) from e
 
 
 def _one(req: dict) -> dict:
@@ -138,11 +165,14 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     cfg = dataclasses.asdict(loaded.config)
     if cfg["mqtt"]["password"] is not None:
         cfg["mqtt"]["password"] = "***"
+    warnings = secret_warnings(loaded.config, loaded.files)
     doc = {"ok": not loaded.problems, "files": loaded.files, "config": cfg,
-           "problems": [dataclasses.asdict(p) for p in loaded.problems]}
+           "problems": [dataclasses.asdict(p) for p in loaded.problems], "warnings": warnings}
 
     def render(d: dict) -> None:
         where = ", ".join(d["files"]) or "no config files (defaults)"
+        for w in d["warnings"]:
+            console.print(f"[yellow]warning[/yellow]: {w}", highlight=False, markup=False)
         if d["ok"]:
             console.print(f"[green]config OK[/green]: {where}; device id {cfg['device_id']}", highlight=False)
             return
@@ -152,6 +182,25 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
     emit(doc, args.json, render)
     return 2 if loaded.problems else 0
+
+
+def secret_warnings(cfg: Any, files: list[str]) -> list[str]:
+    """What is valid but exposes the broker password: sent without TLS, or stored where every user can read it."""
+    if cfg.mqtt.password is None:
+        return []
+    out = []
+    if not cfg.mqtt.tls.enabled:
+        out.append(f"mqtt.password goes to {cfg.mqtt.label} in clear text: enable TLS ([mqtt.tls] ca, or "
+                   "enabled = true)")
+    for f in files:
+        try:
+            mode, text = os.stat(f).st_mode, open(f).read()
+        except OSError:
+            continue
+        if mode & stat.S_IROTH and "password" in text:
+            out.append(f"{f} holds mqtt.password and is readable by every user (mode {stat.S_IMODE(mode):o}): "
+                       f"chmod 600 {f} (or 640 with the daemon's group)")
+    return out
 
 
 def cmd_notify_firmware(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -47,6 +48,8 @@ def _expired(expires_at: Any, now: float) -> bool:
     if expires_at is None:
         return False
     if isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool):
+        if not math.isfinite(expires_at):  # JSON NaN / Infinity: would never expire
+            raise Rejected(f"bad expires_at {expires_at!r}: give finite epoch seconds or ISO 8601")
         return expires_at < now
     if isinstance(expires_at, str):
         try:

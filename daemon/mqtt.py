@@ -3,7 +3,12 @@
 The outbox, not paho, owns undelivered messages. The client starts every connection with a fresh paho client, so
 paho never replays its own in-flight queue; instead the link resends from the oldest unacknowledged outbox row,
 so order is kept and a message lost in flight is sent again (QoS 1 is at-least-once). Rows are deleted only on
-PUBACK, and no more are in flight than the broker's Receive Maximum allows.
+PUBACK, and no more are in flight than the broker's Receive Maximum allows. Rows that wait for the fleet's `ack`
+(tuning records, final command responses) are deleted by that ack, and when it does not come within the
+outbox's resend interval the link sends them again from the oldest.
+
+The session outlives the will delay (`[mqtt] session_expiry_s`), so commands sent while the device is away wait
+at the broker for as long as the fleet's commands live.
 
 The will (`lost`, retained) waits for the settings' will delay under MQTT 5, so a short blip does not flip the
 device's status.
@@ -18,9 +23,12 @@ from typing import Callable
 
 from daemon.outbox import Outbox
 from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message, Will
-from edgetune.protocol import Topics
+from edgetune.protocol import ACK, ProtocolError, Topics, decode
+from edgetune.sqlite import DBError
 
 log = logging.getLogger(__name__)
+
+RESEND_CHECK_S = 5.0  # how often the link looks for rows whose fleet ack is overdue
 
 
 class Link(Handler):
@@ -28,8 +36,9 @@ class Link(Handler):
                  on_connected: Callable[[], None], on_command: Callable[[bytes], None]):
         self.cfg, self.topics, self.outbox = cfg, topics, outbox
         self._on_connected, self._on_command = on_connected, on_command
-        self.client = Client(cfg, topics.device_id, self, subscriptions=(topics.cmd_req,),
-                             will=lambda: Will(topics.status, will()))
+        self.client = Client(cfg, topics.device_id, self, subscriptions=(topics.cmd_req, topics.ack),
+                             session_expiry_s=cfg.session_expiry_s, will=lambda: Will(topics.status, will()))
+        self._resend_checked = 0.0
         self._drained = threading.Condition()
         self._reset_flight()
 
@@ -57,9 +66,9 @@ class Link(Handler):
         """Wait until the broker has acknowledged everything queued, while connected; True when empty."""
         deadline = time.monotonic() + timeout
         with self._drained:
-            while self.outbox.depth()[0] and self.connected and time.monotonic() < deadline:
+            while self.outbox.unsent() and self.connected and time.monotonic() < deadline:
                 self._drained.wait(min(0.5, max(0.0, deadline - time.monotonic())))
-        return self.outbox.depth()[0] == 0
+        return self.outbox.unsent() == 0
 
     def stop(self, timeout: float = 10.0) -> None:
         """Disconnect cleanly (no will) and end the thread."""
@@ -85,6 +94,11 @@ class Link(Handler):
 
     def on_tick(self, conn: Connection) -> None:
         self._settle()
+        now = time.monotonic()
+        if not self._inflight and now - self._resend_checked >= RESEND_CHECK_S:
+            self._resend_checked = now
+            if self.outbox.resend_due():
+                self._last_sent = 0  # nothing in flight: start over from the oldest row the fleet did not ack
         room = self._window - len(self._inflight)
         if room <= 0:
             return
@@ -106,6 +120,21 @@ class Link(Handler):
     def on_message(self, conn: Connection, msg: Message) -> None:
         if msg.topic == self.topics.cmd_req:
             self._on_command(msg.payload)
+        elif msg.topic == self.topics.ack:
+            self._fleet_ack(msg.payload)
+
+    def _fleet_ack(self, payload: bytes) -> None:
+        try:
+            keys = decode(payload, ACK.sub).get("keys")
+        except ProtocolError as e:
+            log.warning("mqtt: ignoring an ack: %s", e)
+            return
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            log.warning("mqtt: ignoring an ack whose keys are not a list of strings")
+            return
+        if self.outbox.confirm(keys):
+            with self._drained:
+                self._drained.notify_all()
 
     def on_disconnect(self) -> None:
         self._settle()
@@ -114,9 +143,14 @@ class Link(Handler):
             self._drained.notify_all()
 
     def _settle(self) -> None:
-        """Delete acknowledged rows, and tell flush() waiters."""
+        """Delete acknowledged rows, and tell flush() waiters. On a full disk they stay for the next tick (the
+        daemon pauses and says why); a row deleted late is at worst sent again."""
         if self._acked:
-            self.outbox.ack(self._acked)
+            try:
+                self.outbox.ack(self._acked)
+            except DBError as e:
+                log.warning("mqtt: cannot mark %d acknowledged row(s) yet: %s", len(self._acked), e)
+                return
             self._acked = []
             with self._drained:
                 self._drained.notify_all()

@@ -43,6 +43,7 @@ class Job:
     wait_idle: bool = False
     objective: str = "latency"
     power: PowerConfig = field(default_factory=PowerConfig)  # the [power] meter, for energy/edp objectives
+    max_s: float | None = None  # a time cap per workload (fleet commands), on top of the evals budget
 
     def merge(self, later: "Job") -> None:
         """Coalesce a later request: union of targets (force if either forces), the later strategy and budget."""
@@ -51,6 +52,7 @@ class Job:
             self.targets[name] = Target(t.spec, t.workload, force=t.force or bool(old and old.force))
         self.strategy, self.budget = later.strategy, later.budget
         self.objective, self.power = later.objective, later.power
+        self.max_s = None if self.max_s is None or later.max_s is None else max(self.max_s, later.max_s)
         self.origin = max(self.origin, later.origin, key=ORIGIN_RANK.index)
         self.command_ids += later.command_ids
         self.wait_idle = self.wait_idle and later.wait_idle
@@ -87,6 +89,7 @@ class Scheduler:
         self._current: Job | None = None
         self._progress: tuple[float, str] = (0.0, "")
         self._stopping = False
+        self._paused = False
         self._child: subprocess.Popen | None = None
         self._thread = threading.Thread(target=self._run, name="tuner", daemon=True)
 
@@ -111,10 +114,17 @@ class Scheduler:
             if self._child:
                 self._child.terminate()  # the child checkpoints after its measurement in flight
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread.ident is not None:  # never started (the start-up failed): nothing to join
+            self._thread.join()
         with self._cond:
             left, self._pending = self._pending, None
         return left
+
+    def pause(self, paused: bool) -> None:
+        """Hold back the next workload (a full disk) until resumed; the one in flight finishes or fails."""
+        with self._cond:
+            self._paused = paused
+            self._cond.notify_all()
 
     def snapshot(self) -> dict:
         with self._cond:
@@ -145,6 +155,9 @@ class Scheduler:
     def _idle(self, job: Job) -> bool:
         """Wait (if the job is background work) until load1 per core is under the threshold; False on stop."""
         with self._cond:
+            while self._paused and not self._stopping:
+                self.state = "paused"
+                self._cond.wait()
             while job.wait_idle and not self._stopping and load_per_core() >= self.idle_threshold:
                 if self.state != "waiting-idle":
                     log.info("waiting for idle: load1 per core %.2f >= %.2f", load_per_core(), self.idle_threshold)
@@ -193,7 +206,8 @@ class Scheduler:
         env = dict(os.environ, EDGETUNE_DAEMON_PID=str(os.getpid()))
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         req = tunejob.request(t.spec, t.workload, force=t.force, strategy=job.strategy, budget=job.budget,
-                              origin=job.origin, hw=self.hw, objective=job.objective, power=job.power)
+                              origin=job.origin, hw=self.hw, objective=job.objective, power=job.power,
+                              max_s=job.max_s)
         # its own session: a terminal's ^C must not reach the child and its measuring worker mid-measurement;
         # the daemon decides, and stops it with SIGTERM
         with subprocess.Popen([sys.executable, "-m", "daemon.tunejob"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from edgetune import config as config_mod
 from daemon import firmware, records, sdnotify, targets
@@ -26,18 +26,24 @@ from daemon.mqtt import Link
 from daemon.outbox import Outbox
 from daemon.publisher import Publisher, status_doc
 from daemon.scheduler import Job, Outcome, Scheduler
-from daemon.store import DaemonStore, Journal, results_db
+from daemon.store import DaemonStore, Journal, checked, rederivable, results_db
 from daemon.telemetry import Telemetry
 from edgetune import __version__
 from edgetune.broker import CONNECT_TIMEOUT_S
 from edgetune.errors import BadInput, EdgetuneError
-from edgetune.protocol import TERMINAL_STATES, Topics, encode
+from edgetune.protocol import PAUSED, TERMINAL_STATES, Topics, encode
+from edgetune.sqlite import DBError, DBFull
 from hwprobe import probe
 from tuner.db import ResultsDB
 
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 10.0  # at stop: how long to let the broker acknowledge what is queued
+DISK_RETRY_S = 5.0  # while paused on a full disk: how often to try again
+# what one fleet command may cost a device: custom-shape buffers, and tuning time per workload (the evals budget
+# alone allows 100000 evals of anything)
+COMMAND_MAX_INPUT_MB = 64.0
+COMMAND_MAX_S = 1800.0
 PROGRESS_EVERY_S = 0.5  # in_progress responses per command, at most this often
 
 
@@ -57,6 +63,7 @@ class Daemon:
         self.ops: ThreadPoolExecutor | None = None
         self.publisher: Publisher | None = None
         self.control: ControlServer | None = None
+        self.paused: str | None = None  # why telemetry and tuning wait (a full disk), or None
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
@@ -67,8 +74,8 @@ class Daemon:
         self.control = ControlServer(self._control)  # first: `edgetune status` answers while we start
         self.control.start()
         try:
-            self._startup()
-            self._loop()
+            if self._startup():
+                self._loop()
         finally:
             self._shutdown()
         return 0
@@ -87,18 +94,66 @@ class Daemon:
             self._local.db = results_db()
         return self._local.db
 
-    def _startup(self) -> None:
+    def _startup(self) -> bool:
+        """False when told to stop while waiting for disk space."""
         sdnotify.notify(STATUS="starting: probing the hardware")
         self.hw = probe(measure_bandwidth=True)
         self.model = model_info()
         self.pairs = self._configured()
+        if not self._until_space(self._open_state):
+            return False
+        self._start_link()
+        self._ready = True
+        sdnotify.notify(READY=1, STATUS=self._status_line())
+        self.scheduler.start()
+        return self._until_space(self._first_plan)
+
+    def _until_space(self, step: Callable[[], None]) -> bool:
+        """Run `step`, and while the disk is full, stay paused (status says why) and retry; False on stop."""
+        while not self._stop:
+            try:
+                step()
+            except DBFull as e:
+                self._pause(str(e))
+                self._wake.wait(DISK_RETRY_S)
+                self._wake.clear()
+                continue
+            self._resume()
+            return True
+        return False
+
+    def _pause(self, why: str) -> None:
+        if self.paused is None:
+            log.error("paused: %s; telemetry and tuning wait until there is space again", why)
+        self.paused = why
+        if self.scheduler:
+            self.scheduler.pause(True)
+        sdnotify.notify(STATUS=f"paused: {why}")
+
+    def _resume(self) -> None:
+        if self.paused is not None:
+            log.warning("disk space is back: resuming telemetry and tuning")
+            self.paused = None
+            if self.scheduler:
+                self.scheduler.pause(False)
+
+    def _open_state(self) -> None:
+        """The DBs and what the last run left open. daemon.db and outbox.db are re-derivable: a corrupt one is
+        moved aside and started afresh. The results DB is training data: a corrupt one stops the daemon, with the
+        fix (`edgetune daemon --reset`) in the message. Repeatable: the disk-full retry runs it again."""
+        checked(self.db())
         self.active_doc = self.db().active_document()
-        self.store = DaemonStore()
+        if getattr(self, "store", None) is None:
+            self.store = rederivable(DaemonStore)
         self.session = self.store.next_session()
-        self.outbox = Outbox(max_bytes=self.cfg.outbox.max_bytes, max_age_s=self.cfg.outbox.max_age_s)
+        if getattr(self, "outbox", None) is None:
+            self.outbox = rederivable(lambda: Outbox(max_bytes=self.cfg.outbox.max_bytes,
+                                                     max_age_s=self.cfg.outbox.max_age_s,
+                                                     resend_s=self.cfg.outbox.resend_s))
         self.journal = Journal(self.store)
         self.telemetry = Telemetry(self.store.next_seq)
-        self.publisher = Publisher(self.outbox, Topics(self.cfg.device_id), broker=bool(self.cfg.mqtt.host))
+        self.publisher = Publisher(self.outbox, Topics(self.cfg.device_id), broker=bool(self.cfg.mqtt.host),
+                                   fleet_ack=self.cfg.outbox.fleet_ack)
         self.commands = Commands(self.journal, self.publisher.response, self._check, self._execute)
         self.scheduler = Scheduler(self.hw, self, self.cfg.idle_load_threshold)
         self.ops = ThreadPoolExecutor(1, thread_name_prefix="ops")
@@ -107,11 +162,6 @@ class Daemon:
         self.journal.prune(TERMINAL, JOURNAL_KEEP_S)
         self.commands.interrupted()
         records.sweep(self.db(), self.store, self.publisher, self.cfg.device_id, self.hw, self.model)
-        self._start_link()
-        self._ready = True
-        sdnotify.notify(READY=1, STATUS=self._status_line())
-        self.scheduler.start()
-        self._first_plan()
 
     def _configured(self) -> list[targets.Pair]:
         try:
@@ -183,9 +233,10 @@ class Daemon:
                 self._reload_config()
                 next_tel = min(next_tel, now + self.cfg.telemetry_interval_s)
             if now >= next_tel:
-                self.publisher.telemetry(self.telemetry.sample(self.state))
-                sdnotify.notify(STATUS=self._status_line())
-                next_tel = max(next_tel + self.cfg.telemetry_interval_s, now)
+                self._telemetry()
+                interval = min(self.cfg.telemetry_interval_s, DISK_RETRY_S) if self.paused else \
+                    self.cfg.telemetry_interval_s
+                next_tel = max(next_tel + interval, now)
             if watchdog and now >= next_wd:
                 if self._healthy():
                     sdnotify.notify(WATCHDOG=1)
@@ -193,6 +244,17 @@ class Daemon:
             wait = min(next_tel, next_wd if watchdog else next_tel) - time.monotonic()
             self._wake.wait(max(0.0, wait))
             self._wake.clear()
+
+    def _telemetry(self) -> None:
+        """One sample; on a full disk it is lost (a gap in seq the fleet counts) and the daemon pauses; the next
+        sample that is stored resumes it."""
+        try:
+            self.publisher.telemetry(self.telemetry.sample(self.state))
+        except DBFull as e:
+            self._pause(str(e))
+            return
+        self._resume()
+        sdnotify.notify(STATUS=self._status_line())
 
     def _healthy(self) -> bool:
         """No watchdog ping if a worker thread died: systemd then restarts a daemon that stopped working."""
@@ -212,7 +274,10 @@ class Daemon:
         if self.ops:
             self.ops.shutdown(wait=True)
         if self.publisher:
-            self.publisher.status("offline", self.session)
+            try:
+                self.publisher.status("offline", self.session)
+            except DBError as e:  # e.g. still no space: the will (`lost`) then speaks for us
+                log.warning("could not queue status offline: %s", e)
         if self.link:
             if not self.link.flush(FLUSH_TIMEOUT_S):
                 log.warning("stopping with %d message(s) still queued; they go out after the next start",
@@ -226,6 +291,8 @@ class Daemon:
     def state(self) -> str:
         if self._stop:
             return "stopping"
+        if self.paused:
+            return PAUSED
         if not self._ready:
             return "starting"
         return self.scheduler.state
@@ -248,6 +315,7 @@ class Daemon:
         old, new = self.cfg, loaded.config
         self.cfg = new
         self.outbox.max_bytes, self.outbox.max_age_s = new.outbox.max_bytes, new.outbox.max_age_s
+        self.outbox.resend_s, self.publisher.fleet_ack = new.outbox.resend_s, new.outbox.fleet_ack
         self.scheduler.idle_threshold = new.idle_load_threshold
         self.pairs = self._configured()
         if new.mqtt != old.mqtt or new.device_id != old.device_id:
@@ -269,7 +337,13 @@ class Daemon:
 
     def _check(self, cmd: Command) -> None:
         if cmd.op == "retune":
-            targets.select(self.pairs, cmd.args.get("kernels"), cmd.args.get("workloads"))
+            pairs = targets.select(self.pairs, cmd.args.get("kernels"), cmd.args.get("workloads"))
+            if cmd.origin == "fleet":
+                for spec, wl in pairs:
+                    mb = spec.bytes_moved(wl.shape) / 1e6
+                    if wl.source == "custom shape" and mb > COMMAND_MAX_INPUT_MB:
+                        raise BadInput(f"{spec.name}/{wl.name} needs about {mb:,.0f} MB of buffers; a fleet "
+                                       f"command may ask for custom shapes up to {COMMAND_MAX_INPUT_MB:.0f} MB")
 
     def _execute(self, cmd: Command) -> None:
         if cmd.op != "retune":
@@ -282,7 +356,7 @@ class Daemon:
         self.scheduler.submit(Job({t.name: t for t in ts}, a.get("strategy", self.cfg.tuning.strategy),
                                   a.get("budget", self.cfg.tuning.budget), "firmware-hook" if firmware_hook else "cmd",
                                   [cmd.id], wait_idle=firmware_hook, objective=self.cfg.tuning.objective,
-                                  power=self.cfg.power))
+                                  power=self.cfg.power, max_s=COMMAND_MAX_S if cmd.origin == "fleet" else None))
 
     def _run_op(self, cmd: Command) -> None:
         try:
@@ -358,13 +432,15 @@ class Daemon:
     def status(self) -> dict:
         sched = self.scheduler.snapshot() if self.scheduler else {"job": None, "queue": None}
         out: dict[str, Any] = {"ok": True, "pid": os.getpid(), "version": __version__,
-                               "device_id": self.cfg.device_id, "state": self.state,
+                               "device_id": self.cfg.device_id, "state": self.state, "paused": self.paused,
                                "uptime_s": round(time.monotonic() - self._t0, 1)}
         if self._ready:
             count, size = self.outbox.depth()
             out |= {"session": self.session, "job": sched["job"], "queue": sched["queue"],
                     "broker": self.link.snapshot() if self.link else {"configured": False},
-                    "outbox": {"messages": count, "bytes": size, "dropped": self.outbox.dropped},
+                    "outbox": {"messages": count, "bytes": size, "dropped": self.outbox.dropped,
+                               "awaiting_fleet_ack": self.outbox.awaiting_fleet(),
+                               "coalesced": self.outbox.coalesced},
                     "last_tune": self._last_tune(), "workloads": len(self.pairs)}
         return out
 

@@ -14,13 +14,17 @@ migration adopts such a file (CREATE ... IF NOT EXISTS), so an upgraded device k
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
-from typing import Any, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable, TypeVar
 
 from edgetune import paths
-from edgetune.sqlite import Schema, Store
+from edgetune.sqlite import DBCorrupt, Schema, Store, move_aside
 from tuner.db import ResultsDB
+
+log = logging.getLogger(__name__)
+S = TypeVar("S", bound=Store)
 
 SCHEMA = Schema("daemon DB", 0x45544431, (  # "ETD1"
     # v1
@@ -36,8 +40,8 @@ SCHEMA = Schema("daemon DB", 0x45544431, (  # "ETD1"
 
 # what the daemon's errors about its own files tell the user: the daemon takes no --reset
 DAEMON_DB_FIX = "stop the daemon, move the file aside (rename it) and start the daemon again: it starts a fresh one"
-RESULTS_DB_FIX = ("stop the daemon, run `edgetune report --reset` to move the results DB aside (never deleted), "
-                  "and start the daemon again")
+RESULTS_DB_FIX = ("stop the daemon and start it once as `edgetune daemon --reset`: that moves the results DB aside "
+                  "(renamed, never deleted) and starts a fresh one")
 
 
 def daemon_db_path() -> Path:
@@ -47,6 +51,34 @@ def daemon_db_path() -> Path:
 def results_db() -> ResultsDB:
     """The results DB as the daemon opens it: its errors name the fix that works for a daemon."""
     return ResultsDB(fix=RESULTS_DB_FIX)
+
+
+def checked(store: S) -> S:
+    """The store after PRAGMA quick_check: DBCorrupt for damaged pages, which opening alone does not notice."""
+    row = store.query_one("PRAGMA quick_check")
+    if row is None or row[0] != "ok":
+        raise DBCorrupt(f"{store.SCHEMA.label} {store.path} has damaged pages ({row[0] if row else 'no answer'}); "
+                        f"{store.fix}", store.path)
+    return store
+
+
+def rederivable(open_store: Callable[[], S]) -> S:
+    """Open (and check) a store whose contents the daemon can rebuild; a corrupt file is moved aside, never
+    deleted, and a fresh one started."""
+    try:
+        store = open_store()
+    except DBCorrupt as e:
+        bad = e
+    else:
+        try:
+            return checked(store)
+        except DBCorrupt as e:
+            store.close()
+            bad = e
+    aside = move_aside(bad.path)
+    log.error("%s: moved it aside to %s and starting a fresh one (its contents are re-derivable)",
+              str(bad).partition(";")[0], aside)
+    return open_store()
 
 
 class DaemonStore(Store):

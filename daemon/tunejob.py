@@ -33,10 +33,10 @@ class Stopping(Exception):
 
 
 def request(spec: Any, wl: Any, *, force: bool, strategy: str, budget: int, origin: str, hw: Any,
-            objective: str = "latency", power: PowerConfig | None = None) -> dict:
+            objective: str = "latency", power: PowerConfig | None = None, max_s: float | None = None) -> dict:
     return {"kernel": spec.name, "workload": {"name": wl.name, "shape": wl.shape, "source": wl.source},
             "force": force, "strategy": strategy, "budget": budget, "origin": origin, "hw": hw.to_dict(),
-            "objective": objective, "power": asdict(power) if power else {}}
+            "objective": objective, "power": asdict(power) if power else {}, "max_s": max_s}
 
 
 def _die_with_parent(parent: int) -> None:
@@ -69,8 +69,12 @@ def main() -> int:
     from tuner.session import Budget, Session
 
     def send(doc: dict) -> None:
-        out.write(json.dumps(doc, default=str) + "\n")
-        out.flush()
+        try:
+            out.write(json.dumps(doc, default=str) + "\n")
+            out.flush()
+        except BrokenPipeError:  # the daemon died (kill -9): the journal holds the work, nobody reads this
+            stop["now"] = True
+            sys.stderr = open(os.devnull, "w")  # nor the interpreter's complaint about the pipe at exit
 
     req = json.loads(sys.stdin.readline())
     spec = get_spec(req["kernel"])
@@ -93,7 +97,7 @@ def main() -> int:
             meter.start()
         with Runner() as runner:
             res = Session(db, runner, HwDescriptor.from_dict(req["hw"])).tune(
-                spec, wl, strategy=req["strategy"], budget=Budget(evals=req["budget"]), force=req["force"],
+                spec, wl, strategy=req["strategy"], budget=Budget(evals=req["budget"], seconds=req.get("max_s")), force=req["force"],
                 origin=req["origin"], progress=progress, objective=Objective.create(req["objective"], meter))
         send({"result": res.to_dict()})
     except Stopping:

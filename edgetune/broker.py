@@ -88,6 +88,9 @@ class BrokerSettings:
     protocol: str = "5"  # the first protocol tried: "5" or "3.1.1"
     keepalive: int = 60
     will_delay_s: int = 30  # MQTT 5: a blip shorter than this does not publish the will
+    # a device's session (its queued commands) outlives an absence this long; longer than any command lifetime
+    # the fleet gives (fleet.commands.MAX_TTL_S)
+    session_expiry_s: int = 86400
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 60.0  # backoff cap
 
@@ -193,6 +196,7 @@ class Client:
         self._failed_attempts = 0
         self._stop = threading.Event()
         self._drop = False
+        self._hold = 0.0
         self._fell_back = False
         self._conn: Connection | None = None
         self._calls: queue.SimpleQueue[Callable[[Connection], None]] = queue.SimpleQueue()
@@ -218,9 +222,10 @@ class Client:
         except BlockingIOError:  # already woken
             pass
 
-    def drop(self) -> None:
-        """End this connection cleanly and reconnect after a backoff (a persistent session is kept, so the
-        broker sends what we did not acknowledge again)."""
+    def drop(self, hold_s: float = 0.0) -> None:
+        """End this connection cleanly and reconnect after a backoff, at least `hold_s` (a persistent session is
+        kept, so the broker sends what we did not acknowledge again)."""
+        self._hold = hold_s
         self._drop = True
         self.wake()
 
@@ -281,7 +286,8 @@ class Client:
             if self._stop.is_set():
                 break
             failures = 0 if self.connects > was else failures + 1
-            self._stop.wait(backoff(failures, self.settings.reconnect_min_s, self.settings.reconnect_max_s))
+            hold, self._hold = self._hold, 0.0
+            self._stop.wait(max(hold, backoff(failures, self.settings.reconnect_min_s, self.settings.reconnect_max_s)))
 
     def _attempt(self) -> None:
         s = self.settings
@@ -350,6 +356,8 @@ class Client:
         while not self._fell_back:
             sock = client.socket()
             if sock is None:
+                if not self.connected:
+                    self._error(self._closed_before_connack())
                 return
             if self._stop.is_set() or self._drop:
                 self._disconnect(client)
@@ -372,6 +380,12 @@ class Client:
             client.loop_misc()
             if self.connected and self._conn is not None:
                 self._tick(self._conn)
+
+    def _closed_before_connack(self) -> str:
+        s = self.settings
+        hint = ("; a TLS listener does that to a plaintext client: if the port speaks TLS, set [mqtt] tls "
+                "(or `--tls`)") if not s.tls.enabled else "; check the broker's log for why"
+        return f"broker {s.label} closed the connection before answering (no CONNACK){hint}"
 
     def _tick(self, conn: Connection) -> None:
         while True:

@@ -112,6 +112,7 @@ BASE_SECTIONS = [
         "port": lambda v: None if 1 <= v <= 65535 else "must be 1-65535",
         "keepalive": lambda v: None if 1 <= v <= 65535 else "must be 1-65535 seconds",
         "will_delay_s": lambda v: None if v >= 0 else "must be >= 0",
+        "session_expiry_s": lambda v: None if v >= 60 else "must be >= 60 seconds (queued commands wait this long)",
         "protocol": lambda v: None if v in PROTOCOLS else f"must be one of: {', '.join(PROTOCOLS)}",
         "reconnect_min_s": positive,
         "reconnect_max_s": positive,

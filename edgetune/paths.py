@@ -7,7 +7,10 @@ as root uses the FHS dirs; a user (or a checkout) falls back to per-user XDG dir
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+from edgetune.errors import EdgetuneError
 
 _CHECKOUT = (Path(__file__).resolve().parent.parent / "pyproject.toml").exists()
 
@@ -45,7 +48,23 @@ def runtime_dir() -> Path:
         return _ensure(Path("/run/edgetune"))
     if os.environ.get("XDG_RUNTIME_DIR"):
         return _ensure(Path(os.environ["XDG_RUNTIME_DIR"]) / "edgetune")
-    return _ensure(Path(f"/tmp/edgetune-{os.getuid()}"))
+    return _private(Path(f"/tmp/edgetune-{os.getuid()}"))
+
+
+def _private(p: Path) -> Path:
+    """A per-user dir in the shared /tmp: another user may have created it first, to read or replace the control
+    socket, so it must be ours, a real directory, and closed to others."""
+    try:
+        p.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(p)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
+        raise EdgetuneError(f"runtime dir {p} is not private to uid {os.getuid()} ({kind}, owner uid {st.st_uid}, "
+                            f"mode {stat.S_IMODE(st.st_mode):o}); remove it, or set RUNTIME_DIRECTORY or "
+                            "XDG_RUNTIME_DIR to a directory of your own")
+    return p
 
 
 def config_dir() -> Path:

@@ -41,6 +41,11 @@ STATUS_STATES = ("online", "offline", "lost")
 COMMAND_STATES = ("accepted", "in_progress", "succeeded", "failed", "rejected")
 TERMINAL_STATES = ("succeeded", "failed", "rejected")  # a command in one of these never changes again
 OPEN_STATES = tuple(s for s in COMMAND_STATES if s not in TERMINAL_STATES)
+# the fleet's own verdict on a command nobody answered before its expires_at (never sent by a device)
+EXPIRED = "expired"
+
+# telemetry `state` values besides the tuner's; `paused` says why in telemetry `paused` and in `edgetune status`
+PAUSED = "paused"
 
 # cmd/req: op → the argument names it takes (the device checks values; see docs/protocol.md)
 OPS: dict[str, tuple[str, ...]] = {
@@ -96,7 +101,10 @@ CMD_REQ = TopicSpec("cmd/req", FLEET_TO_DEVICE, False, ("id", "op", "args", "exp
 CMD_RES = TopicSpec("cmd/res/{id}", DEVICE_TO_FLEET, False,
                     ("id", "op", "origin", "status", "progress", "reason", "result", "message", "ts",
                      "request_sha256"))
-TOPICS = (STATUS, INFO, CONFIG_ACTIVE, TUNING_RECORD, TELEMETRY, CMD_REQ, CMD_RES)
+# end-to-end delivery: a fleet receiver publishes this after its DB committed a tuning record or a final command
+# response; the device keeps those in its outbox until then (the broker's PUBACK only means the broker has them)
+ACK = TopicSpec("ack", FLEET_TO_DEVICE, False, ("keys", "ts"))
+TOPICS = (STATUS, INFO, CONFIG_ACTIVE, TUNING_RECORD, TELEMETRY, CMD_REQ, CMD_RES, ACK)
 
 
 # ---- ids ---------------------------------------------------------------------------------------------------------
@@ -111,6 +119,18 @@ def check_id(value: Any, what: str = "id") -> str:
         shown = value[:ID_MAX + 10] if isinstance(value, str) else value
         raise ProtocolError(f"{what} {shown!r} is not usable: it must be {ID_RULE}")
     return value
+
+
+# ---- end-to-end acknowledgement keys -----------------------------------------------------------------------------
+
+def record_ack_key(record_id: str) -> str:
+    """What `ack` carries for a committed tuning/record."""
+    return f"record:{record_id}"
+
+
+def result_ack_key(command_id: str) -> str:
+    """What `ack` carries for a committed final cmd/res (a command has one final status, never undone)."""
+    return f"res:{command_id}"
 
 
 # ---- topics ------------------------------------------------------------------------------------------------------
@@ -143,6 +163,7 @@ class Topics:
     record = _topic(TUNING_RECORD)
     telemetry = _topic(TELEMETRY)
     cmd_req = _topic(CMD_REQ)
+    ack = _topic(ACK)
 
     def cmd_res(self, command_id: str | None) -> str:
         """cmd/res/{id}; a request without a usable id is answered on cmd/res/invalid."""

@@ -115,12 +115,14 @@ def cmd_listen(args: argparse.Namespace) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        counts = listener.store.counts()
+        counts = listener.store.counts() if listener.alarm is None else {"devices": "?", "records": "?"}
         listener.store.close()
-    emit({"db": str(listener.store.path), "messages": dict(listener.counts), "stored": counts}, args.json,
+    emit({"db": str(listener.store.path), "messages": dict(listener.counts), "stored": counts,
+          "alarm": listener.alarm}, args.json,
          lambda d: err_console.print(f"stopped; {d['messages'].get('messages', 0)} messages this run, "
-                                     f"{counts['devices']} devices and {counts['records']} records in {d['db']}"))
-    return 0
+                                     f"{counts['devices']} devices and {counts['records']} records in {d['db']}"
+                                     + (f"; the fleet DB was failing: {d['alarm']}" if d["alarm"] else "")))
+    return 1 if listener.alarm else 0
 
 
 # ---- devices ---------------------------------------------------------------------------------------------------
@@ -139,7 +141,9 @@ _STATE_STYLE = {"online": "green", "offline": "yellow", "lost": "red"}
 
 def cmd_devices(args: argparse.Namespace) -> int:
     with _open_existing(args.db) as store:
-        devices = store.devices()
+        store.expire_commands(time.time())
+        gaps = store.telemetry_gaps()
+        devices = [{**d, "telemetry_gaps": gaps.get(d["id"])} for d in store.devices()]
 
     def render(ds: list[dict]) -> None:
         if not ds:
@@ -147,13 +151,18 @@ def cmd_devices(args: argparse.Namespace) -> int:
             return
         rows = [[d["id"], f"[{_STATE_STYLE.get(d['state'], 'dim')}]{d['state']}[/]", _ago(d["last_seen_ago_s"]),
                  d["cpu_model"] or "?", d["isa"] or "?", d["cores"] if d["cores"] is not None else "?",
-                 d["tuned_workloads"], fmt(d["mean_speedup"], 2) + ("x" if d["mean_speedup"] else ""), d["records"]]
+                 d["tuned_workloads"], fmt(d["mean_speedup"], 2) + ("x" if d["mean_speedup"] else ""), d["records"],
+                 _gaps(d["telemetry_gaps"])]
                 for d in ds]
         table("fleet devices", ["device", "state", "last seen", "cpu", "isa", "cores", "tuned", "speedup (geomean)",
-                                "records"], rows)
+                                "records", "telemetry (missing)"], rows)
 
     emit(devices, args.json, render)
     return 0
+
+
+def _gaps(g: dict | None) -> str:
+    return "-" if not g else f"{g['received']} ({g['missing']} missing)"
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -161,8 +170,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         summary = next((d for d in store.devices() if d["id"] == args.device), None)
         if summary is None:
             raise EdgetuneError(f"no device {args.device!r} in {store.path}; see `edgetune fleet devices`")
+        store.expire_commands(time.time())
         detail = store.device(args.device) or {}
         data = {**summary, "info": detail.get("info"), "active": store.active_configs(args.device),
+                "telemetry_gaps": store.telemetry_gaps().get(args.device),
                 "records": [{k: r[k] for k in ("session_id", "kernel", "workload", "strategy", "state",
                                                "n_measurements", "copies", "received_at")}
                             for r in store.records(args.device)],
@@ -174,7 +185,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             ["state", f"{d['state']} (last seen {_ago(d['last_seen_ago_s'])})"], ["version", d["version"]],
             ["cpu", d["cpu_model"]], ["isa", d["isa"]], ["cores", d["cores"]],
             ["hw_fingerprint", d["hw_fingerprint"]], ["fw_fingerprint", d["fw_fingerprint"]],
-            ["model", d["model_version"]]])
+            ["model", d["model_version"]], ["telemetry", _gaps(d["telemetry_gaps"])]])
         table("active configs", ["kernel/workload", "config", "ms", "default ms", "speedup", "strategy"], [
             [slot, json.dumps(e.get("config"), sort_keys=True), e.get("ms"), e.get("default_ms"),
              fmt(e["speedup"], 2) + "x" if isinstance(e.get("speedup"), (int, float)) else "-", e.get("strategy")]
@@ -182,6 +193,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         table("tuning records", ["id", "kernel/workload", "strategy", "state", "measurements"], [
             [r["session_id"], f"{r['kernel']}/{r['workload']}", r["strategy"], r["state"], r["n_measurements"]]
             for r in d["records"]])
+        table("commands", ["id", "op", "status", "reason"], [
+            [c["id"], c["op"], c["status"] or "sent", c["reason"] or ""] for c in d["commands"]])
 
     emit(data, args.json, render)
     return 0

@@ -18,16 +18,22 @@ from typing import Any, Callable
 
 from edgetune.broker import BrokerError, BrokerSettings, Client, Connection, Handler, Message
 from edgetune.errors import BadInput
-from edgetune.protocol import COMMAND_STATES, OPS, TERMINAL_STATES, Topics, encode
+from edgetune.protocol import COMMAND_STATES, EXPIRED, OPS, TERMINAL_STATES, Topics, encode
 from fleet.mqtt import hostname
 
 log = logging.getLogger("fleet.commands")
+
+
+MAX_TTL_S = 86400.0  # no longer than a device's default MQTT session (BrokerSettings.session_expiry_s) lasts
 
 
 def new_command(op: str, args: dict | None = None, ttl_s: float = 600.0, now: float | None = None) -> dict:
     """A cmd/req payload with a fresh id; the device rejects it after `expires_at` (unix seconds)."""
     if op not in OPS:
         raise BadInput(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+    if not 0 < ttl_s <= MAX_TTL_S:
+        raise BadInput(f"command lifetime {ttl_s} s: must be > 0 and at most {MAX_TTL_S:.0f} s, as long as a device's "
+                       "broker session keeps queued commands")
     now = time.time() if now is None else now
     return {"id": uuid.uuid4().hex, "op": op, "args": args or {}, "expires_at": round(now + ttl_s, 3)}
 
@@ -45,6 +51,8 @@ class CommandRun:
     def status(self) -> str:
         if self.final:
             return self.final["status"]
+        if not self.responses and time.time() > self.command["expires_at"]:
+            return EXPIRED  # unanswered past its lifetime: no device takes it any more
         if self.timed_out:
             return "timeout"
         return self.responses[-1]["status"] if self.responses else "sent"

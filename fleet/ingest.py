@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from edgetune import protocol as wire
-from edgetune.protocol import CMD_RES, COMMAND_STATES, STATUS_STATES, ProtocolError
+from edgetune.protocol import CMD_RES, COMMAND_STATES, STATUS_STATES, TERMINAL_STATES, ProtocolError
 from edgetune.sqlite import DBError
 from fleet.store import FleetStore
 
@@ -38,6 +38,7 @@ class Outcome:
     device: str | None
     detail: str = ""  # new | duplicate | updated | stale | changed | same | cleared | stored
     error: str | None = None
+    ack: str | None = None  # the protocol ack key to publish to the device now that the DB committed it
 
 
 # ---- lenient field readers -------------------------------------------------------------------------------------
@@ -203,7 +204,8 @@ def _record(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
         log.info("record %s/%s from %s: %d measurements", kernel, workload, device, len(measurements))
     else:
         log.debug("record %s from %s: %s", uid, device, detail)
-    return Outcome("record", device, detail)
+    rid = _ident(obj.get("record_id"))
+    return Outcome("record", device, detail, ack=wire.record_ack_key(rid) if rid else None)
 
 
 def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
@@ -238,7 +240,7 @@ def _cmd_res(store: FleetStore, device: str, sub: str, payload: bytes, retained:
         log.warning("cmd/res/%s from %s carries id %r; the topic wins", cid, device, obj.get("id"))
     store.put_response(device, cid, status, obj.get("progress"), _text(obj.get("reason"), 2000), obj.get("result"),
                        now)
-    return Outcome("cmd_res", device, status)
+    return Outcome("cmd_res", device, status, ack=wire.result_ack_key(cid) if status in TERMINAL_STATES else None)
 
 
 Handler = Callable[[FleetStore, str, str, bytes, bool, float], Outcome]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from edgetune import paths
-from edgetune.protocol import TERMINAL_STATES
+from edgetune.protocol import EXPIRED, TERMINAL_STATES
 from edgetune.sqlite import Schema, Store
 
 APP_ID = 0x45544631  # "ETF1": tells the fleet DB from a results DB or a foreign SQLite file
@@ -440,3 +440,26 @@ class FleetStore(Store):
         return [dict(r) for r in self.conn.execute(
             "SELECT kernel, workload, slot, device_id, speedup, ms, default_ms FROM active_configs"
             " WHERE speedup IS NOT NULL ORDER BY slot, speedup")]
+
+    # ---- delivery: expiry and telemetry gaps -------------------------------------------------------------------
+
+    def expire_commands(self, now: float) -> int:
+        """Mark `expired` the commands past their expires_at that no device ever answered: nobody will run them,
+        and the CLI must say so rather than leave them pending. Returns how many."""
+        with self.tx() as c:
+            return c.execute("UPDATE commands SET status=?, reason=?, updated_at=? WHERE status IS NULL AND"
+                             " expires_at IS NOT NULL AND expires_at < ?",
+                             (EXPIRED, "no device answered before it expired", now, now)).rowcount
+
+    def telemetry_gaps(self) -> dict[str, dict[str, int]]:
+        """Per device: telemetry samples received, and missing ones: holes in each boot's seq, which a device
+        counts from 0, so samples sent before this fleet DB existed count as missing too. Telemetry is best
+        effort; this is how the fleet sees what it lost."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.query("SELECT device_id, count(*) AS n, max(seq) + 1 - count(*) AS missing"
+                            " FROM telemetry GROUP BY device_id, boot_id"):
+            d = out.setdefault(r["device_id"], {"received": 0, "missing": 0, "boots": 0})
+            d["received"] += r["n"]
+            d["missing"] += r["missing"]
+            d["boots"] += 1
+        return out

@@ -167,12 +167,13 @@ class DaemonProc:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
-    def start(self) -> "DaemonProc":
+    def start(self, *args: str) -> "DaemonProc":
+        """`args`: extra `edgetune daemon` flags for this start (e.g. --reset)."""
         self.log_path = self.config.parent / f"daemon-{time.monotonic_ns()}.log"
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen([sys.executable, "-m", "edgetune.main", "daemon", "--config",
-                                          str(self.config)], cwd=REPO, env=self.env, stdout=subprocess.DEVNULL,
-                                         stderr=log)
+                                          str(self.config), *args], cwd=REPO, env=self.env,
+                                         stdout=subprocess.DEVNULL, stderr=log)
         return self
 
     @property

@@ -118,10 +118,19 @@ class ResultsDB(Store):
             c.execute("UPDATE sessions SET state=?, finished_at=?, result_json=? WHERE id=?",
                       (state, time.time(), json.dumps(result), session_id))
 
+    def interrupt_running(self, kernel: str, workload: str, except_id: int) -> int:
+        """Close the other unfinished sessions of this kernel/workload as `interrupted`: a new session supersedes
+        them (other budget, strategy or firmware), so they would never resume, and closed they are published with
+        the measurements they hold."""
+        with self.tx() as c:
+            return c.execute("UPDATE sessions SET state='interrupted', finished_at=? WHERE kernel=? AND workload=? "
+                             "AND state='running' AND id<>?", (time.time(), kernel, workload, except_id)).rowcount
+
     def ended_sessions(self) -> list[SessionRow]:
-        """Sessions that ended (done or failed), oldest first: what the daemon publishes as tuning records."""
-        return [self._session(r) for r in self.query("SELECT * FROM sessions WHERE state IN ('done', 'failed') "
-                                                      "ORDER BY id")]
+        """Sessions that ended (done, failed or interrupted), oldest first: what the daemon publishes as tuning
+        records."""
+        return [self._session(r) for r in self.query("SELECT * FROM sessions WHERE state IN ('done', 'failed', "
+                                                      "'interrupted') ORDER BY id")]
 
     def _session(self, r: sqlite3.Row) -> SessionRow:
         rkey = ResultKey(r["kernel"], r["source_hash"], r["workload"], r["shape_json"], r["hw_fingerprint"], r["isa"],

@@ -132,9 +132,14 @@ class Session:
                 activate(self.db, spec.name, wl.name, res.active_entry(), self.hw)
                 return res
         params = {"seed": seed, "evals": budget.evals, "seconds": budget.seconds, "patience": budget.patience}
-        sess = None if force else self.db.running_session(key, params)
+        # force skips the finished result, never an interrupted run: its measurements are resumed, not lost
+        sess = self.db.running_session(key, params)
         if sess is None:
             sess = self.db.open_session(rkey, self.hw.fw_fingerprint, params, origin)
+            closed = self.db.interrupt_running(spec.name, wl.name, sess.id)
+            if closed:
+                log.info("closed %d earlier unfinished session(s) of %s/%s as interrupted", closed, spec.name,
+                         wl.name)
         else:
             log.info("resuming session %d for %s/%s", sess.id, spec.name, wl.name)
         journal = {m["seq"]: m for m in self.db.measurements(sess.id, "search")}
