@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test install dev mosquitto model clean
+.PHONY: run test install dev deps model clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,15 +21,23 @@ $(VENV)/.dev: $(VENV)/.installed
 
 dev: $(VENV)/.dev
 
-mosquitto:
-	@command -v mosquitto >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q mosquitto; }
+# System packages the tests use (a real broker, a throwaway PostgreSQL, headless Chromium), installed when missing
+# with one apt-get update for all of them. Add a package to the list, not a target.
+APT_PACKAGES := mosquitto postgresql chromium
+
+deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing:" $$missing; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing; \
+	fi
 
 run: install
 	$(VENV)/bin/edgetune probe
 	$(VENV)/bin/edgetune tune
 	$(VENV)/bin/edgetune report
 
-test: dev mosquitto
+test: dev deps
 	$(PY) -m pytest -q
 
 # reproduce quantized_models/ from the committed data (about 50 s on 2 cores)

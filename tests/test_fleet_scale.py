@@ -149,3 +149,35 @@ def test_postgres_going_away_stops_acks_and_nothing_is_lost(mosquitto, tmp_path)
             assert len(s.records("pgdown")) == 1
     finally:
         cluster.destroy()
+
+
+def test_config_check_knows_the_fleet_section(tmp_path):
+    from edgetune.config import load
+
+    cfg = tmp_path / "edgetune.toml"
+    cfg.write_text('[fleet]\ndatabase = "postgresql://fleet@db.local/fleet"\nshare_group = "a/b"\nretention_days = 0\n')
+    problems = {p.key: p.message for p in load(cfg).problems}
+    assert set(problems) == {"fleet.share_group", "fleet.retention_days"}, problems
+    assert "without / + or #" in problems["fleet.share_group"]
+    cfg.write_text('[fleet]\ndatabase = "postgresql://fleet@db.local/fleet"\nshare_group = "fleet"\n')
+    loaded = load(cfg)
+    assert loaded.problems == [] and loaded.config.fleet.db == "postgresql://fleet@db.local/fleet"
+
+
+def test_auth_db_is_a_store_on_the_sqlite_base(tmp_path):
+    import sqlite3
+
+    from edgetune.errors import BadInput
+    from fleet.tokens import TokenStore
+
+    with TokenStore(tmp_path / "auth" / "a.db") as s:
+        token, secret = s.create("operator", "ops")
+        assert s.verify(secret) == token and s.schema_version == 1
+        with pytest.raises(BadInput, match="'ops': a token of that name exists"):
+            s.create("viewer", "ops")
+        assert [t.name for t in s.list()] == ["ops"]
+        assert s.session_key() == s.session_key()
+    foreign = tmp_path / "foreign.db"
+    sqlite3.connect(foreign).execute("CREATE TABLE x (y)").connection.commit()
+    with pytest.raises(DBForeign, match="not an edgetune fleet auth DB.*auth_database"):
+        TokenStore(foreign)
