@@ -60,8 +60,8 @@ class Listener(Handler):
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> "Listener":
-        log.info("fleet listener %s → %s, client id %s, db %s", self.settings.label, self.subscription, self.client_id,
-                 self.store.path)
+        log.info("fleet listener %s → %s, client id %s, db %s", self.settings.label, self.subscription,
+                 self.client_id, self.store.path)
         self.client.start()
         return self
 

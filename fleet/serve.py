@@ -3,8 +3,8 @@
 The receiver (fleet.listener) runs in a thread and owns its store connection; the ASGI app runs under uvicorn in
 the main thread, which also takes SIGINT/SIGTERM, and reads the same DB through its own connections (SQLite in WAL
 mode: readers never block the writer; or PostgreSQL). A retention thread (fleet.retention) prunes old telemetry.
-Several servers on one PostgreSQL share the receiving with `[fleet] share_group` (or --share). Starlette, Jinja2 and uvicorn are imported only when serving, so the other
-verbs do not need them.
+Several servers on one PostgreSQL share the receiving with `[fleet] share_group` (or --share). Starlette, Jinja2
+and uvicorn are imported only when serving, so the other verbs do not need them.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ class FleetStore(Store):
         with self.tx() as c:
             self._touch(c, device, now, seen)
             c.execute("INSERT INTO status_history (device_id, state, session, version, ts, retained, received_at)"
-                      " VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING", (device, state, session, version, ts, int(retained), now))
+                      " VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
+                      (device, state, session, version, ts, int(retained), now))
             old = c.execute("SELECT state FROM devices WHERE id=?", (device,)).fetchone()["state"]
             c.execute("UPDATE devices SET state=?, session=?, version=coalesce(?, version), state_ts=?,"
                       " state_changed_at=CASE WHEN state=? THEN state_changed_at ELSE ? END WHERE id=?",
@@ -181,7 +182,8 @@ class FleetStore(Store):
                        device))
             if hw.get("hw_fingerprint") and hw.get("descriptor"):
                 c.execute("INSERT INTO hw_descriptors (hw_fingerprint, descriptor_json, device_id, first_seen)"
-                          " VALUES (?,?,?,?) ON CONFLICT DO NOTHING", (hw["hw_fingerprint"], _dumps(hw["descriptor"]), device, now))
+                          " VALUES (?,?,?,?) ON CONFLICT DO NOTHING",
+                          (hw["hw_fingerprint"], _dumps(hw["descriptor"]), device, now))
 
     def put_active(self, device: str, doc: dict | None, meta: dict, entries: list[dict], now: float,
                    seen: float | None) -> None:
