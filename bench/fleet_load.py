@@ -10,9 +10,9 @@ measure the simulator, not the fleet side). Receivers are real `edgetune fleet l
 Reported, side by side:
 1. ingest rate: a burst of queued telemetry drained by 1 or 2 receivers (shared subscription) into SQLite and
    into PostgreSQL, messages/s;
-2. sustained: N devices at 1 Hz for T minutes into PostgreSQL with 2 receivers sharing the subscription, one
-   SIGKILLed half-way and restarted 5 s later (as systemd's Restart= would): lost and duplicated rows, receiver
-   lag (DB receive time minus the sample's send time) p50/p99;
+2. sustained: N devices at 1 Hz for T minutes into PostgreSQL (or --backend sqlite) with 2 receivers sharing
+   the subscription (or --receivers 1), one SIGKILLed half-way and restarted 5 s later (as systemd's Restart=
+   would): lost and duplicated rows, receiver lag (DB receive time minus the sample's send time) p50/p99;
 3. dashboard: `fleet serve` on that DB, p50/p95 latency of the overview page and a device page.
 The machine's load average is printed with each phase: on a shared machine the figures move with it.
 """
@@ -182,9 +182,10 @@ def burst(broker: Mosquitto, db: str, receivers: int, messages: int, work: Path)
     return {"stored": n, "s": last - first, "rate": n / (last - first), "split": split, "load": load()}
 
 
-def sustained(broker: Mosquitto, db: str, n: int, seconds: int, work: Path) -> dict:
+def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, work: Path) -> dict:
     group = f"s{uuid.uuid4().hex[:6]}"
-    recv = [Receiver(broker, db, f"sustained-{group}-{i}", group, work / f"s{i}.log") for i in range(2)]
+    recv = [Receiver(broker, db, f"sustained-{group}-{i}", group if receivers > 1 else None, work / f"s{i}.log")
+            for i in range(receivers)]
     for r in recv:
         r.start()
     fleet = Fleet(broker, n, "load")
@@ -267,7 +268,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=1000)
     ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--burst", type=int, default=20000, help="telemetry messages per ingest-rate run")
+    ap.add_argument("--burst", type=int, default=20000, help="telemetry messages per ingest-rate run (0: skip)")
+    ap.add_argument("--backend", choices=("postgresql", "sqlite"), default="postgresql",
+                    help="fleet DB of the sustained run and the dashboard")
+    ap.add_argument("--receivers", type=int, choices=(1, 2), default=2, help="receivers in the sustained run")
     args = ap.parse_args()
     if missing_reason():
         print(missing_reason(), file=sys.stderr)
@@ -285,13 +289,13 @@ def main() -> int:
                 r = burst(broker, db, n, args.burst, work)
                 print(f"   {backend:10s} x{n} receiver{'s' if n > 1 else ' '}: {r['rate']:7.0f} msg/s "
                       f"({r['stored']} in {r['s']:.1f} s, split {r['split']}); {r['load']}", flush=True)
-        print(f"\n2. sustained: {args.devices} devices at 1 Hz for {args.minutes:g} min, PostgreSQL, 2 shared "
-              "receivers, one SIGKILLed half-way and restarted after 5 s")
-        db = pg.create_db()
-        r = sustained(broker, db, args.devices, int(args.minutes * 60), work)
+        print(f"\n2. sustained: {args.devices} devices at 1 Hz for {args.minutes:g} min, {args.backend}, "
+              f"{args.receivers} receiver(s) (2: sharing the subscription), one SIGKILLed half-way and restarted 5 s later")
+        db = pg.create_db() if args.backend == "postgresql" else str(work / "sustained.db")
+        r = sustained(broker, db, args.devices, int(args.minutes * 60), args.receivers, work)
         for k, v in r.items():
             print(f"   {k}: {v:.3f}" if isinstance(v, float) else f"   {k}: {v}", flush=True)
-        print("\n3. dashboard pages with that fleet in the DB (fleet serve, PostgreSQL)")
+        print(f"\n3. dashboard pages with that fleet in the DB (fleet serve, {args.backend})")
         d = dashboard(broker, db, "sim-load-0001", work)
         for k, v in d.items():
             print(f"   {k}: {v}", flush=True)
