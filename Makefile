@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test install dev mosquitto cross model clean
+.PHONY: run test install dev deps model clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,16 +21,18 @@ $(VENV)/.dev: $(VENV)/.installed
 
 dev: $(VENV)/.dev
 
-mosquitto:
-	@command -v mosquitto >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q mosquitto; }
+# System packages the tests use (a real broker, a throwaway PostgreSQL, headless Chromium, and for the emulated
+# ARM tests Debian's cross compilers with their libc and libgomp plus qemu-user), installed when missing with one
+# apt-get update for all of them. Add a package to the list, not a target.
+APT_PACKAGES := mosquitto postgresql chromium qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross \
+                gcc-arm-linux-gnueabihf libc6-dev-armhf-cross
 
-# the emulated ARM tests: Debian's cross compilers (with their libc and libgomp) and qemu-user, as tool:packages
-CROSS_TOOLS := aarch64-linux-gnu-gcc:gcc-aarch64-linux-gnu,libc6-dev-arm64-cross \
-               arm-linux-gnueabihf-gcc:gcc-arm-linux-gnueabihf,libc6-dev-armhf-cross \
-               qemu-aarch64:qemu-user qemu-arm:qemu-user
-cross:
-	@missing=""; for tp in $(CROSS_TOOLS); do command -v $${tp%%:*} >/dev/null 2>&1 || missing="$$missing $${tp#*:}"; done; \
-	if [ -n "$$missing" ]; then $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$(echo $$missing | tr , ' '); fi
+deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing:" $$missing; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing; \
+	fi
 
 run: install
 	$(VENV)/bin/edgetune probe
@@ -38,7 +40,7 @@ run: install
 	$(VENV)/bin/edgetune report
 
 # `$(PY) -m pytest -q -m slow` runs the long emulated sweep (a seeded sample of every workload's ARM space)
-test: dev mosquitto cross
+test: dev deps
 	$(PY) -m pytest -q
 
 # reproduce quantized_models/ from the committed data (about 50 s on 2 cores)

@@ -30,7 +30,7 @@ from edgetune.protocol import ID_MAX, ID_RE, ID_RULE
 
 # Each module exposes SECTIONS, a list of Section; this order (after the base's own) is the order of the keys in
 # `config check --json` and of the problems across keys.
-SECTION_MODULES = ["daemon.config", "tuner.config", "hwprobe.power.config"]
+SECTION_MODULES = ["daemon.config", "tuner.config", "hwprobe.power.config", "fleet.config"]
 MACHINE_ID = Path("/etc/machine-id")
 
 

@@ -7,8 +7,8 @@ edgetune, by another edgetune store or by another program is refused instead of 
 out as `DBError` subclasses that name the file and the fix; the fix text is the caller's, because only the
 calling command knows which of its own options repairs the file.
 
-The surface (schema, tx, query) stays small and free of SQLite-only notions where that costs nothing, so the
-fleet store can later gain a second backend behind it.
+The surface (schema, tx, query) stays small and free of SQLite-only notions where that costs nothing: the fleet
+store runs the same queries on PostgreSQL through fleet.db, its twin of `Store`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ class DBFull(DBError):
 
 class DBBusy(DBError):
     """Another connection held the write lock for longer than the open timeout."""
+
+
+class DBUnavailable(DBError):
+    """A database server (the fleet's PostgreSQL) cannot be reached now; retrying later may work."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,13 @@ class Store:
     def query_one(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Row | None:
         rows = self.query(sql, args)
         return rows[0] if rows else None
+
+    def iter_query(self, sql: str, args: Sequence[Any] = ()) -> Iterator[sqlite3.Row]:
+        """The rows of one read as they come, for results too big to hold (exports); one thread only."""
+        try:
+            yield from self.conn.execute(sql, args)
+        except sqlite3.Error as e:
+            raise self.error(e) from e
 
     @property
     def schema_version(self) -> int:

@@ -1,6 +1,6 @@
 """`edgetune fleet …`: see and steer devices from the fleet side.
 
-  edgetune fleet listen  --broker HOST[:PORT] [--db F]         store everything devices publish (runs until stopped)
+  edgetune fleet listen  --broker HOST[:PORT] [--db F|URL] [--share G]  store what devices publish (until stopped)
   edgetune fleet devices [--db F] [--json]                      state, last seen, hw, tuned workloads, mean speedup
   edgetune fleet show DEVICE [--db F] [--json]                  one device: info, active configs, records, status log
   edgetune fleet retune  DEVICE --broker … [--kernel K] [--wait] send a retune command and follow its progress
@@ -26,7 +26,8 @@ from edgetune.errors import BadInput, EdgetuneError
 from edgetune.output import console, emit, err_console, fmt, json_flag, table
 from edgetune.protocol import check_id
 from fleet.mqtt import add_broker_args, broker_settings
-from fleet.store import FleetStore, default_path
+from fleet.db import is_postgres
+from fleet.store import FleetStore, default_path, open_fleet_store
 
 log = logging.getLogger("fleet.cli")
 
@@ -43,6 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--client-id", help="MQTT client id of the persistent session (default edgetune-fleet-<hostname>)")
     q.add_argument("--session-expiry", type=int, default=7 * 24 * 3600, metavar="S",
                    help="how long the broker keeps queueing for us while we are down (MQTT 5; default 7 days)")
+    q.add_argument("--share", metavar="GROUP",
+                   help="share the subscription with the other receivers of GROUP ($share/GROUP/…): each message "
+                        "goes to one of them; give each its own --client-id")
+    q.add_argument("--retention-days", type=float, metavar="D",
+                   help="delete telemetry received more than D days ago, hourly (default: keep it all)")
     json_flag(q)
     q.set_defaults(func=cmd_listen)
 
@@ -86,11 +92,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _db_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", type=Path, metavar="FILE", help="fleet DB (default <state dir>/fleet.db)")
+    p.add_argument("--db", metavar="FILE|URL",
+                   help="fleet DB: a SQLite file or postgresql://USER@HOST/DB (default <state dir>/fleet.db)")
 
 
-def _open_existing(db: Path | None) -> FleetStore:
-    path = db or default_path()
+def _open_existing(db: str | None) -> FleetStore:
+    if is_postgres(db):
+        return open_fleet_store(db)
+    path = Path(db) if db else default_path()
     if not path.exists():
         raise EdgetuneError(f"no fleet DB at {path}; run `edgetune fleet listen --broker …` first (or pass --db)")
     return FleetStore(path)
@@ -99,11 +108,21 @@ def _open_existing(db: Path | None) -> FleetStore:
 # ---- listen ----------------------------------------------------------------------------------------------------
 
 def cmd_listen(args: argparse.Namespace) -> int:
+    from edgetune.protocol import ProtocolError, topic_filter
     from fleet.listener import Listener
+    from fleet.retention import Pruner
 
     if args.session_expiry < 0:
         raise BadInput(f"--session-expiry {args.session_expiry}: must be >= 0 seconds")
-    listener = Listener(broker_settings(args), args.db, client_id=args.client_id, session_expiry_s=args.session_expiry)
+    if args.retention_days is not None and not args.retention_days > 0:
+        raise BadInput(f"--retention-days {args.retention_days:g}: must be > 0")
+    try:
+        topic_filter(share=args.share)
+    except ProtocolError as e:
+        raise BadInput(f"--share: {e}") from None
+    listener = Listener(broker_settings(args), args.db, client_id=args.client_id, session_expiry_s=args.session_expiry,
+                        share=args.share)
+    pruner = Pruner(args.db, args.retention_days).start() if args.retention_days else None
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("got %s, stopping", signal.Signals(signum).name)
@@ -115,6 +134,8 @@ def cmd_listen(args: argparse.Namespace) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if pruner is not None:
+            pruner.stop()
         counts = listener.store.counts() if listener.alarm is None else {"devices": "?", "records": "?"}
         listener.store.close()
     emit({"db": str(listener.store.path), "messages": dict(listener.counts), "stored": counts,

@@ -1,17 +1,17 @@
-"""The `[fleet]` config section of `edgetune fleet serve`: its databases, where it listens, when a device is stale.
+"""The `[fleet]` config section of `edgetune fleet serve`: its databases, where it listens, when a device is stale,
+how long telemetry is kept, and the shared-subscription group of a receiver that shares the load with others.
 
-It reads the same files as the daemon config (`<config dir>/edgetune.toml` and `conf.d/*.toml`, or one
-`--config FILE`) and looks only at their `[fleet]` tables, later files overriding earlier ones key by key. It is
-self-contained so that it can register itself as a section once the base config loader takes per-package
-sections; until then the daemon's loader does not know the key `fleet`.
+It is one of the registered config sections (edgetune.config SECTION_MODULES), so `edgetune config check` checks
+it with the rest of the files (`<config dir>/edgetune.toml` and `conf.d/*.toml`, or one `--config FILE`).
 
     [fleet]
-    database = "/var/lib/edgetune/fleet.db"        # a path or sqlite:///path; default <state dir>/fleet.db
-    auth_database = "/var/lib/edgetune/fleet-auth.db"  # API tokens and the session key, mode 0600
+    database = "/var/lib/edgetune/fleet.db"        # a path, sqlite:///path, or postgresql://user@host/db
+    auth_database = "/var/lib/edgetune/fleet-auth.db"  # API tokens and the session key (SQLite), mode 0600
     host = "127.0.0.1"                             # bind address; put TLS in a reverse proxy in front
     port = 8080
     stale_minutes = 10                             # an `online` device not heard from this long is `stale`
-    retention_days = 30                            # telemetry older than this is not shown
+    retention_days = 30                            # telemetry received longer ago than this is deleted
+    share_group = ""                               # "fleet": N receivers split $share/fleet/edgetune/v1/+/#
     session_hours = 12                             # browser login lifetime
     secure_cookies = false                         # true behind an HTTPS proxy: cookies only over TLS
     anonymous_read = false                         # true: pages and GET API without a login (viewer role)
@@ -19,14 +19,15 @@ sections; until then the daemon's loader does not know the key `fleet`.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from edgetune import paths
-from edgetune.config import Problem, config_files
+from edgetune.config import Problem, Section, load
 from edgetune.errors import BadInput
+from edgetune.protocol import ProtocolError, topic_filter
+from fleet.db import is_postgres
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,16 @@ class FleetConfig:
     port: int = 8080
     stale_minutes: float = 10.0
     retention_days: float = 30.0
+    share_group: str = ""
     session_hours: float = 12.0
     secure_cookies: bool = False
     anonymous_read: bool = False
 
     @property
-    def database_path(self) -> Path:
+    def db(self) -> Path | str:
+        """The fleet DB: a postgresql:// URL, or the SQLite file."""
+        if is_postgres(self.database):
+            return self.database
         return _sqlite_path(self.database) if self.database else paths.state_dir() / "fleet.db"
 
     @property
@@ -55,74 +60,60 @@ def _sqlite_path(url: str) -> Path:
 
 
 def _database(v: str) -> str | None:
-    if v.startswith(("postgresql://", "postgres://")):
-        return "PostgreSQL is not supported by this edgetune yet; use a SQLite path"
+    if is_postgres(v):
+        return None
     if "://" in v and not v.startswith("sqlite:///"):
-        return "must be a file path or sqlite:///ABSOLUTE/PATH"
+        return "must be a file path, sqlite:///ABSOLUTE/PATH or postgresql://USER@HOST/DB"
     return None if v.strip() else "must not be empty (leave it out for the default)"
+
+
+def _auth_database(v: str) -> str | None:
+    if is_postgres(v):
+        return "the auth DB is a local SQLite file (credentials stay off the shared fleet DB); give a path"
+    return _database(v)
+
+
+def _share_group(v: str) -> str | None:
+    if not v:
+        return None
+    try:
+        topic_filter(share=v)
+    except ProtocolError as e:
+        return str(e)
+    return None
 
 
 def _positive(v: float) -> str | None:
     return None if v > 0 else "must be > 0"
 
 
-# key -> (type, check of the value)
-_KEYS: dict[str, tuple[type, Callable[[Any], str | None]]] = {
-    "database": (str, _database),
-    "auth_database": (str, _database),
-    "host": (str, lambda v: None if v.strip() else "must not be empty"),
-    "port": (int, lambda v: None if 1 <= v <= 65535 else "must be 1-65535"),
-    "stale_minutes": (float, _positive),
-    "retention_days": (float, _positive),
-    "session_hours": (float, _positive),
-    "secure_cookies": (bool, lambda v: None),
-    "anonymous_read": (bool, lambda v: None),
-}
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-assert set(_KEYS) == {f.name for f in fields(FleetConfig)}
-
-
-def _check(file: str, table: Any) -> tuple[dict[str, Any], list[Problem]]:
-    if not isinstance(table, dict):
-        return {}, [Problem(file, "fleet", "must be a table ([fleet])")]
-    values, problems = {}, []
-    for k, v in table.items():
-        key = f"fleet.{k}"
-        if k not in _KEYS:
-            problems.append(Problem(file, key, f"unknown key; keys in [fleet]: {', '.join(sorted(_KEYS))}"))
-            continue
-        typ, check = _KEYS[k]
-        if isinstance(v, bool) != (typ is bool) or not isinstance(v, (int, float) if typ is float else typ):
-            problems.append(Problem(file, key, f"must be {_TYPE_NAMES[typ]}, not {v!r}"))
-            continue
-        msg = check(v)
-        if msg:
-            problems.append(Problem(file, key, msg))
-        else:
-            values[k] = float(v) if typ is float else v
-    return values, problems
+SECTIONS = [Section("fleet", FleetConfig, {
+    "database": _database,
+    "auth_database": _auth_database,
+    "host": lambda v: None if v.strip() else "must not be empty",
+    "port": lambda v: None if 1 <= v <= 65535 else "must be 1-65535",
+    "stale_minutes": _positive,
+    "retention_days": _positive,
+    "share_group": _share_group,
+    "session_hours": _positive,
+})]
 
 
 def load_fleet_config(path: str | Path | None = None, **overrides: Any) -> FleetConfig:
     """The [fleet] section of the config files, with `overrides` (CLI flags that were given) on top. Raises
-    BadInput listing every problem with its file and key."""
-    values: dict[str, Any] = {}
-    problems: list[Problem] = []
+    BadInput listing every problem of the files and flags with its file and key; problems of other sections are
+    `edgetune config check`'s business, not a reason to refuse serving."""
     if path is not None and not Path(path).is_file():
         raise BadInput(f"--config {path}: no such file")
-    for f in config_files(path):
-        try:
-            doc = tomllib.loads(f.read_bytes().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            problems.append(Problem(str(f), "", f"cannot read as TOML: {e}"))
-            continue
-        if "fleet" in doc:
-            v, p = _check(str(f), doc["fleet"])
-            values.update(v)
-            problems += p
+    loaded = load(path)
+    problems = [p for p in loaded.problems if p.key == "" or p.key.split(".")[0] == "fleet"]
     given = {k: v for k, v in overrides.items() if v is not None}
-    v, p = _check("(command line)", given)
-    problems += p
+    checks = SECTIONS[0].checks
+    for k, v in given.items():
+        msg = checks[k](v) if k in checks else None
+        if msg:
+            problems.append(Problem("(command line)", f"fleet.{k}", msg))
     if problems:
         raise BadInput("fleet config has problems:\n  " + "\n  ".join(map(str, problems)))
-    return replace(FleetConfig(**values), **v)
+    assert set(given) <= {f.name for f in fields(FleetConfig)}
+    return replace(loaded.config.fleet, **given)

@@ -1,7 +1,9 @@
 """`edgetune fleet listen`: subscribe to every device's topics and store what arrives in the fleet DB.
 
 - Subscribes `edgetune/v1/+/#` at QoS 1 on a persistent session under a fixed client id
-  (`edgetune-fleet-<hostname>`), so the broker queues messages while the listener is down.
+  (`edgetune-fleet-<hostname>`), so the broker queues messages while the listener is down. With a share group
+  it subscribes `$share/<group>/edgetune/v1/+/#` instead (MQTT 5 shared subscription): the broker hands each
+  message to one of the receivers in the group, which then write to one PostgreSQL (each needs its own client id).
 - Acknowledges a message (manual PUBACK) only after its transaction committed. When the DB cannot be written
   (disk full, locked, damaged pages: any DBError, which is never a payload's fault), it stops acknowledging,
   raises the alarm (`alarm` holds the error, `counts["retry"]` counts the failures, the log says it once per
@@ -35,9 +37,10 @@ from typing import Callable
 from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message, backoff
 from edgetune.protocol import Topics, encode
 from edgetune.sqlite import DBError
+from edgetune.protocol import topic_filter
 from fleet.ingest import SUBSCRIPTION, Outcome, ingest
 from fleet.mqtt import hostname
-from fleet.store import FleetStore
+from fleet.store import open_fleet_store
 
 log = logging.getLogger("fleet.listener")
 
@@ -53,11 +56,13 @@ def default_client_id() -> str:
 
 class Listener(Handler):
     def __init__(self, settings: BrokerSettings, db: Path | str | None = None, *, client_id: str | None = None,
-                 session_expiry_s: int = DEFAULT_SESSION_EXPIRY_S, on_outcome: Callable[[Outcome], None] | None = None):
+                 session_expiry_s: int = DEFAULT_SESSION_EXPIRY_S, on_outcome: Callable[[Outcome], None] | None = None,
+                 share: str | None = None):
         self.settings = dataclasses.replace(settings, reconnect_max_s=min(settings.reconnect_max_s, RECONNECT_MAX_S))
-        self.store = FleetStore(db, threads=True)  # used only by the client's thread once started
+        self.store = open_fleet_store(db, threads=True)  # used only by the client's thread once started
         self.client_id = client_id or default_client_id()
-        self.client = Client(self.settings, self.client_id, self, subscriptions=(SUBSCRIPTION,),
+        self.subscription = topic_filter(share=share) if share else SUBSCRIPTION
+        self.client = Client(self.settings, self.client_id, self, subscriptions=(self.subscription,),
                              session_expiry_s=session_expiry_s, manual_ack=True, name="fleet-listener")
         self.alarm: str | None = None  # the fleet DB's error while it cannot store; None when it works
         self._db_failures = 0
@@ -73,8 +78,8 @@ class Listener(Handler):
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> "Listener":
-        log.info("fleet listener %s → %s, client id %s, db %s", self.settings.label, SUBSCRIPTION, self.client_id,
-                 self.store.path)
+        log.info("fleet listener %s → %s, client id %s, db %s", self.settings.label, self.subscription,
+                 self.client_id, self.store.path)
         self.client.start()
         return self
 
@@ -118,7 +123,7 @@ class Listener(Handler):
     def on_subscribe(self, conn: Connection, error: str | None) -> None:
         if error:
             return  # the client logged it
-        log.debug("subscribed to %s", SUBSCRIPTION)
+        log.debug("subscribed to %s", self.subscription)
         with self._cond:
             self.counts["subscribes"] += 1  # one per (re)connect
             self._cond.notify_all()

@@ -1,9 +1,10 @@
 """`edgetune fleet serve`: the receiver and the dashboard/API in one process, and `edgetune fleet token …`.
 
 The receiver (fleet.listener) runs in a thread and owns its store connection; the ASGI app runs under uvicorn in
-the main thread, which also takes SIGINT/SIGTERM, and reads the same SQLite DB through its own connections (WAL:
-readers never block the writer). Starlette, Jinja2 and uvicorn are imported only when serving, so the other
-verbs do not need them.
+the main thread, which also takes SIGINT/SIGTERM, and reads the same DB through its own connections (SQLite in WAL
+mode: readers never block the writer; or PostgreSQL). A retention thread (fleet.retention) prunes old telemetry.
+Several servers on one PostgreSQL share the receiving with `[fleet] share_group` (or --share). Starlette, Jinja2
+and uvicorn are imported only when serving, so the other verbs do not need them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def register(fs: argparse._SubParsersAction) -> None:
     q.add_argument("--host", help="bind address (default [fleet] host, 127.0.0.1)")
     q.add_argument("--port", type=int, help="HTTP port (default [fleet] port, 8080)")
     q.add_argument("--client-id", help="MQTT client id of the receiver (default edgetune-fleet-<hostname>)")
+    q.add_argument("--share", metavar="GROUP", help="shared-subscription group (default [fleet] share_group): "
+                                                   "receivers of one group split the messages")
     add_broker_args(q)
     q.set_defaults(func=cmd_serve)
 
@@ -63,15 +66,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from fleet.commands import send_command
     from fleet.listener import Listener
-    from fleet.store import FleetStore
+    from fleet.retention import Pruner
+    from fleet.store import open_fleet_store
     from fleet.web.server import create_app
     from fleet.web.auth import Auth
     from fleet.web.views import Limits
 
-    cfg = load_fleet_config(args.config, host=args.host, port=args.port)
+    cfg = load_fleet_config(args.config, host=args.host, port=args.port, share_group=args.share)
     opts = broker_settings(args)
-    db = cfg.database_path
-    listener = Listener(opts, db, client_id=args.client_id)  # opens (and migrates) the DB first
+    db = cfg.db
+    listener = Listener(opts, db, client_id=args.client_id, share=cfg.share_group)  # opens (and migrates) the DB
     auth = Auth(cfg.auth_path, session_s=cfg.session_hours * 3600, secure_cookies=cfg.secure_cookies,
                 anonymous_read=cfg.anonymous_read)
 
@@ -82,19 +86,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return {"listener": {"connected": listener.connected.is_set(), "subscribed": listener.subscribed.is_set(),
                              "messages": listener.counts["messages"]}}
 
-    app = create_app(lambda: FleetStore(db, threads=True), auth,
+    app = create_app(lambda: open_fleet_store(db, threads=True), auth,
                      Limits(cfg.stale_minutes * 60, cfg.retention_days * 86400), send, health)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
                                            server_header=False))
-    log.info("fleet server on http://%s:%d, db %s, broker %s", cfg.host, cfg.port, db, opts.label)
+    log.info("fleet server on http://%s:%d, db %s, broker %s", cfg.host, cfg.port, listener.store.path, opts.label)
     # uvicorn takes SIGINT/SIGTERM while serving and re-raises them once it has stopped; with these handlers
     # in place that re-raise stops the receiver cleanly instead of killing the process before it can.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: listener.request_stop())
     listener.start()
+    pruner = Pruner(db, cfg.retention_days).start()
     try:
         server.run()  # returns after a signal, once the open requests finished
     finally:
+        pruner.stop()
         listener.stop()
     return 0 if server.started else 1
 

@@ -1,4 +1,5 @@
-"""The fleet DB: SQLite in WAL mode, default `<state_dir>/fleet.db`.
+"""The fleet DB: SQLite in WAL mode (default `<state_dir>/fleet.db`), or PostgreSQL for a fleet that outgrows one
+file and one receiver (`postgresql://…`, through fleet.db: same schema, migrations and queries).
 
 What devices publish (DESIGN.md "daemon and MQTT") lands here, deduplicated so that a QoS 1 redelivery, a
 retained message seen again after a reconnect, or an outbox re-send never counts twice:
@@ -8,14 +9,20 @@ retained message seen again after a reconnect, or an outbox re-send never counts
 - status history by (device, state, session, ts).
 
 Every write is one transaction that commits before the listener acknowledges the message to the broker.
-The schema is versioned with PRAGMA user_version and tagged with PRAGMA application_id.
+The schema is versioned with PRAGMA user_version and tagged with PRAGMA application_id (on PostgreSQL: a metadata
+table, see fleet.db).
+
+Several receivers may write to one PostgreSQL at once (MQTT shared subscriptions split the messages between
+them). That is safe without application locks: every write first upserts the device row (`_touch`), which
+row-locks it until commit, so two transactions about one device run one after the other; and every insert that
+could arrive twice carries a unique constraint and `ON CONFLICT DO NOTHING`, so a copy that races its twin is
+dropped by the database, not by an earlier read.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,6 +30,7 @@ from typing import Any, Iterator
 from edgetune import paths
 from edgetune.protocol import EXPIRED, TERMINAL_STATES
 from edgetune.sqlite import Schema, Store
+from fleet.db import PgStore, is_postgres
 
 APP_ID = 0x45544631  # "ETF1": tells the fleet DB from a results DB or a foreign SQLite file
 MALFORMED_KEEP = 1000  # rows kept in the malformed-message log
@@ -98,7 +106,14 @@ MIGRATIONS: list[str] = [
         received_at REAL NOT NULL
     );
     """,
+    # v2: retention prunes telemetry by receive time; the dashboard reads a device's newest samples
+    """
+    CREATE INDEX telemetry_received ON telemetry(received_at);
+    CREATE INDEX telemetry_device ON telemetry(device_id, id)
+    """,
 ]
+FIX = "move it aside (rename it) or pass --db with another path"
+PRUNE_BATCH = 5000  # telemetry rows deleted per transaction, so a prune never holds the writers up for long
 
 
 def default_path() -> Path:
@@ -127,13 +142,12 @@ class FleetStore(Store):
 
     def __init__(self, path: Path | str | None = None, *, threads: bool = False):
         # FULL: a commit is on disk before the listener acks the message to the broker
-        super().__init__(Path(path) if path else default_path(), synchronous="FULL", threads=threads,
-                         fix="move it aside (rename it) or pass --db with another path")
+        super().__init__(Path(path) if path else default_path(), synchronous="FULL", threads=threads, fix=FIX)
 
     # ---- writes (each one transaction) ---------------------------------------------------------------------
 
     @staticmethod
-    def _touch(c: sqlite3.Connection, device: str, now: float, seen: float | None) -> None:
+    def _touch(c: Any, device: str, now: float, seen: float | None) -> None:
         """Create the device row if new; move last_seen forward (never back) and last_received to now."""
         c.execute(
             "INSERT INTO devices (id, first_seen, last_seen, last_received) VALUES (?,?,?,?) "
@@ -148,8 +162,9 @@ class FleetStore(Store):
         """Record a status message; the newest one received sets the device state. Returns whether it changed."""
         with self.tx() as c:
             self._touch(c, device, now, seen)
-            c.execute("INSERT OR IGNORE INTO status_history (device_id, state, session, version, ts, retained,"
-                      " received_at) VALUES (?,?,?,?,?,?,?)", (device, state, session, version, ts, int(retained), now))
+            c.execute("INSERT INTO status_history (device_id, state, session, version, ts, retained, received_at)"
+                      " VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
+                      (device, state, session, version, ts, int(retained), now))
             old = c.execute("SELECT state FROM devices WHERE id=?", (device,)).fetchone()["state"]
             c.execute("UPDATE devices SET state=?, session=?, version=coalesce(?, version), state_ts=?,"
                       " state_changed_at=CASE WHEN state=? THEN state_changed_at ELSE ? END WHERE id=?",
@@ -166,8 +181,9 @@ class FleetStore(Store):
                        hw.get("cores"), hw.get("hw_fingerprint"), hw.get("fw_fingerprint"), hw.get("model_version"),
                        device))
             if hw.get("hw_fingerprint") and hw.get("descriptor"):
-                c.execute("INSERT OR IGNORE INTO hw_descriptors (hw_fingerprint, descriptor_json, device_id, first_seen)"
-                          " VALUES (?,?,?,?)", (hw["hw_fingerprint"], _dumps(hw["descriptor"]), device, now))
+                c.execute("INSERT INTO hw_descriptors (hw_fingerprint, descriptor_json, device_id, first_seen)"
+                          " VALUES (?,?,?,?) ON CONFLICT DO NOTHING",
+                          (hw["hw_fingerprint"], _dumps(hw["descriptor"]), device, now))
 
     def put_active(self, device: str, doc: dict | None, meta: dict, entries: list[dict], now: float,
                    seen: float | None) -> None:
@@ -177,9 +193,9 @@ class FleetStore(Store):
             self._touch(c, device, now, seen)
             c.execute("DELETE FROM active_configs WHERE device_id=?", (device,))
             for e in entries:
-                c.execute("INSERT OR REPLACE INTO active_configs (device_id, slot, kernel, workload, config_json, ms,"
+                c.execute("INSERT INTO active_configs (device_id, slot, kernel, workload, config_json, ms,"
                           " default_ms, speedup, evals, tuning_s, strategy, tuned_at, entry_json, received_at)"
-                          " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                          " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
                           (device, e["slot"], e["kernel"], e["workload"], _dumps(e["config"]), e["ms"],
                            e["default_ms"], e["speedup"], e["evals"], e["tuning_s"], e["strategy"], e["tuned_at"],
                            _dumps(e["entry"]), now))
@@ -222,9 +238,9 @@ class FleetStore(Store):
         """Store one telemetry sample; False when (device, boot_id, seq) was already stored."""
         with self.tx() as c:
             self._touch(c, device, now, seen)
-            cur = c.execute("INSERT OR IGNORE INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c,"
+            cur = c.execute("INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c,"
                             " freq_mhz, mem_used, rss, state, payload_json, received_at)"
-                            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
                             (device, t["boot_id"], t["seq"], t["ts"], t["cpu_percent"], t["load1"], t["temp_c"],
                              t["freq_mhz"], t["mem_used"], t["rss"], t["state"], _dumps(payload), now))
             return cur.rowcount == 1
@@ -258,10 +274,24 @@ class FleetStore(Store):
                           (status, _dumps(progress), reason, _dumps(result), now, device, cmd_id))
 
     def put_malformed(self, device: str | None, topic: str, error: str, payload: bytes, now: float) -> None:
+        # the log must take whatever arrived: PostgreSQL text cannot hold NUL, so it is spelled out
+        device, topic, error = (None if x is None else x.replace("\0", "\\0") for x in (device, topic, error[:500]))
         with self.tx() as c:
             c.execute("INSERT INTO malformed (device_id, topic, error, payload_head, payload_bytes, received_at)"
-                      " VALUES (?,?,?,?,?,?)", (device, topic, error[:500], bytes(payload[:256]), len(payload), now))
+                      " VALUES (?,?,?,?,?,?)", (device, topic, error, bytes(payload[:256]), len(payload), now))
             c.execute("DELETE FROM malformed WHERE id <= (SELECT max(id) FROM malformed) - ?", (MALFORMED_KEEP,))
+
+    def prune_telemetry(self, before: float) -> int:
+        """Delete telemetry received before `before` (receiver time: a device's clock may be off), in batches of
+        PRUNE_BATCH rows per transaction. Returns how many rows went."""
+        total = 0
+        while True:
+            with self.tx() as c:
+                n = c.execute("DELETE FROM telemetry WHERE id IN (SELECT id FROM telemetry WHERE received_at < ?"
+                              " LIMIT ?)", (before, PRUNE_BATCH)).rowcount
+            total += n
+            if n < PRUNE_BATCH:
+                return total
 
     # ---- reads ---------------------------------------------------------------------------------------------
 
@@ -275,9 +305,11 @@ class FleetStore(Store):
             if r["speedup"] is not None:
                 speedups.setdefault(r["device_id"], []).append(r["speedup"])
         records = {r[0]: r[1] for r in self.query("SELECT device_id, count(*) FROM records GROUP BY device_id")}
+        # the newest sample of each device: one index lookup per device (telemetry_device), not a pass over
+        # every sample, so the overview stays fast with weeks of 1 Hz telemetry in the table
         telemetry = {r["device_id"]: r for r in self.query(
-            "SELECT t.* FROM telemetry t JOIN (SELECT device_id, max(id) AS m FROM telemetry GROUP BY device_id) x"
-            " ON t.id = x.m")}
+            "SELECT t.* FROM devices d JOIN telemetry t"
+            " ON t.id = (SELECT max(id) FROM telemetry WHERE device_id = d.id)")}
         out = []
         for d in self.query("SELECT * FROM devices ORDER BY id"):
             t = telemetry.get(d["id"])
@@ -333,7 +365,7 @@ class FleetStore(Store):
         descriptors = {r["hw_fingerprint"]: r["descriptor_json"] for r in
                        self.query("SELECT hw_fingerprint, descriptor_json FROM hw_descriptors")}
         q = "SELECT device_id, hw_fingerprint, payload_json FROM records" + (" WHERE device_id=?" if device else "")
-        for r in self.conn.execute(q + " ORDER BY id", (device,) if device else ()):  # streamed: exports are big
+        for r in self.iter_query(q + " ORDER BY id", (device,) if device else ()):  # streamed: exports are big
             rec = json.loads(r["payload_json"])
             rec.setdefault("device_id", r["device_id"])
             if "hw" not in rec and r["hw_fingerprint"] in descriptors:
@@ -364,6 +396,7 @@ class FleetStore(Store):
         out = []
         for r in self.query("SELECT * FROM commands WHERE device_id=? ORDER BY rowid", (device,)):
             d = dict(r)
+            d.pop("rowid", None)  # PostgreSQL's stand-in for SQLite's implicit rowid (fleet.db)
             for k in ("args", "progress", "result"):
                 d[k] = _loads(d.pop(f"{k}_json"))
             out.append(d)
@@ -387,7 +420,7 @@ class FleetStore(Store):
         now = time.time() if now is None else now
         ort: dict[str, list[float]] = {}
         slots: dict[str, list[str]] = {}
-        for r in self.conn.execute("SELECT device_id, slot, ms, entry_json FROM active_configs ORDER BY slot"):
+        for r in self.query("SELECT device_id, slot, ms, entry_json FROM active_configs ORDER BY slot"):
             slots.setdefault(r["device_id"], []).append(r["slot"])
             ort_ms = json.loads(r["entry_json"]).get("ort_ms")
             if isinstance(ort_ms, (int, float)) and ort_ms > 0 and r["ms"]:
@@ -418,7 +451,7 @@ class FleetStore(Store):
 
     def telemetry_window(self, device: str, since: float, limit: int = 2000) -> list[dict]:
         """The device's newest `limit` telemetry samples received since `since`, oldest first (for plots)."""
-        rows = self.conn.execute(
+        rows = self.query(
             "SELECT boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss, state, received_at"
             " FROM telemetry WHERE device_id=? AND received_at>=? ORDER BY id DESC LIMIT ?", (device, since, limit))
         return [dict(r) for r in rows][::-1]
@@ -426,7 +459,7 @@ class FleetStore(Store):
     def active_config_rows(self, device: str) -> list[dict]:
         """The device's active configs as table rows, with ORT ms and tuned/ORT from the entry when it has them."""
         out = []
-        for r in self.conn.execute("SELECT * FROM active_configs WHERE device_id=? ORDER BY slot", (device,)):
+        for r in self.query("SELECT * FROM active_configs WHERE device_id=? ORDER BY slot", (device,)):
             entry = json.loads(r["entry_json"])
             ort_ms = entry.get("ort_ms") if isinstance(entry.get("ort_ms"), (int, float)) else None
             out.append({k: r[k] for k in ("slot", "kernel", "workload", "ms", "default_ms", "speedup", "evals",
@@ -437,7 +470,7 @@ class FleetStore(Store):
 
     def speedups(self) -> list[dict]:
         """Every device's speedup per kernel/workload, for the fleet-wide distribution."""
-        return [dict(r) for r in self.conn.execute(
+        return [dict(r) for r in self.query(
             "SELECT kernel, workload, slot, device_id, speedup, ms, default_ms FROM active_configs"
             " WHERE speedup IS NOT NULL ORDER BY slot, speedup")]
 
@@ -463,3 +496,14 @@ class FleetStore(Store):
             d["missing"] += r["missing"]
             d["boots"] += 1
         return out
+
+class PgFleetStore(PgStore, FleetStore):
+    """The fleet DB on PostgreSQL: FleetStore's queries over fleet.db's connection (its methods come first)."""
+
+    def __init__(self, url: str, *, threads: bool = False):  # a psycopg connection is thread-safe already
+        PgStore.__init__(self, url, fix="point [fleet] database (or --db) at a database of its own")
+
+
+def open_fleet_store(db: Path | str | None = None, *, threads: bool = False) -> FleetStore:
+    """The fleet DB `db` names: a postgresql:// URL, else a SQLite path (None: the default file)."""
+    return PgFleetStore(db, threads=threads) if is_postgres(db) else FleetStore(db, threads=threads)

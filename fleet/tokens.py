@@ -12,6 +12,7 @@ token by an indexed lookup instead of trying every row.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -20,13 +21,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgetune.errors import BadInput, EdgetuneError
+from edgetune.errors import BadInput
+from edgetune.sqlite import Schema, Store
 
 ROLES = ("viewer", "operator")  # each role may do everything the roles before it may
 APP_ID = 0x45544131  # "ETA1"
 PREFIX = "et_"
 TOUCH_EVERY_S = 60.0  # last_used_at is written at most this often per token, not on every request
-SCHEMA = """
+MIGRATIONS = ("""
 CREATE TABLE tokens (
     id INTEGER PRIMARY KEY,
     name TEXT NOT NULL UNIQUE,
@@ -37,11 +39,7 @@ CREATE TABLE tokens (
     revoked_at REAL
 );
 CREATE TABLE secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
-"""
-
-
-class AuthDBError(EdgetuneError):
-    pass
+""",)
 
 
 @dataclass(frozen=True)
@@ -81,40 +79,17 @@ def _create_private(path: Path) -> None:
         pass
 
 
-class TokenStore:
-    """The auth DB. Each thread opens its own (SQLite connections stay in their thread)."""
+class TokenStore(Store):
+    """The auth DB, on the SQLite base (identity, migration, typed errors). Each thread opens its own."""
+
+    SCHEMA = Schema("fleet auth DB", APP_ID, MIGRATIONS)
 
     def __init__(self, path: Path):
-        self.path = path
-        try:
+        path = Path(path)
+        with contextlib.suppress(OSError):  # Store names the problem when it cannot make the directory
             path.parent.mkdir(parents=True, exist_ok=True)
             _create_private(path)
-            self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
-            self.conn.row_factory = sqlite3.Row
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            with self.conn:
-                self.conn.execute("BEGIN IMMEDIATE")  # two processes creating the file: one makes the schema
-                app_id, version = (self.conn.execute(f"PRAGMA {p}").fetchone()[0]
-                                   for p in ("application_id", "user_version"))
-                if (app_id, version) == (0, 0):
-                    for stmt in filter(str.strip, SCHEMA.split(";")):
-                        self.conn.execute(stmt)
-                    self.conn.execute(f"PRAGMA application_id={APP_ID}")
-                    self.conn.execute("PRAGMA user_version=1")
-                elif (app_id, version) != (APP_ID, 1):
-                    raise AuthDBError(f"{path} is not an edgetune fleet auth DB (application id {app_id:#x}, "
-                                      f"version {version}); set [fleet] auth_database to another path")
-        except sqlite3.DatabaseError as e:
-            raise AuthDBError(f"fleet auth DB {path}: {e}") from e
-
-    def close(self) -> None:
-        self.conn.close()
-
-    def __enter__(self) -> "TokenStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().__init__(path, fix="set [fleet] auth_database to another path")
 
     @staticmethod
     def _token(r: sqlite3.Row) -> Token:
@@ -126,57 +101,55 @@ class TokenStore:
         if name is not None and not name.strip():
             raise BadInput("--name: empty")
         secret = PREFIX + secrets.token_urlsafe(32)
-        now = time.time()
-        try:
-            with self.conn:
-                self.conn.execute("BEGIN IMMEDIATE")
-                cur = self.conn.execute("INSERT INTO tokens (name, role, sha256, created_at) VALUES (?,?,?,?)",
-                                        (name or f"pending-{secrets.token_hex(8)}", role, digest(secret), now))
-                if name is None:
-                    self.conn.execute("UPDATE tokens SET name=? WHERE id=?", (f"{role}-{cur.lastrowid}",
-                                                                            cur.lastrowid))
-        except sqlite3.IntegrityError:
-            raise BadInput(f"--name {name!r}: a token of that name exists; pick another or revoke it") from None
+        with self.tx() as c:  # the write lock from the start: the name check and the insert are one step
+            if name is not None and c.execute("SELECT 1 FROM tokens WHERE name=?", (name,)).fetchone():
+                raise BadInput(f"--name {name!r}: a token of that name exists; pick another or revoke it")
+            cur = c.execute("INSERT INTO tokens (name, role, sha256, created_at) VALUES (?,?,?,?)",
+                            (name or f"pending-{secrets.token_hex(8)}", role, digest(secret), time.time()))
+            if name is None:
+                c.execute("UPDATE tokens SET name=? WHERE id=?", (f"{role}-{cur.lastrowid}", cur.lastrowid))
         return self.get(cur.lastrowid), secret
 
     def get(self, token_id: int) -> Token:
-        r = self.conn.execute("SELECT * FROM tokens WHERE id=?", (token_id,)).fetchone()
+        r = self.query_one("SELECT * FROM tokens WHERE id=?", (token_id,))
         if r is None:
             raise BadInput(f"no token with id {token_id}; see `edgetune fleet token list`")
         return self._token(r)
 
     def list(self) -> list[Token]:
-        return [self._token(r) for r in self.conn.execute("SELECT * FROM tokens ORDER BY id")]
+        return [self._token(r) for r in self.query("SELECT * FROM tokens ORDER BY id")]
 
     def revoke(self, ref: str) -> Token:
         """Revoke by id or name; browser sessions opened with the token end with it."""
-        r = self.conn.execute("SELECT * FROM tokens WHERE name=?", (ref,)).fetchone()
+        r = self.query_one("SELECT * FROM tokens WHERE name=?", (ref,))
         if r is None and ref.isdigit():
-            r = self.conn.execute("SELECT * FROM tokens WHERE id=?", (int(ref),)).fetchone()
+            r = self.query_one("SELECT * FROM tokens WHERE id=?", (int(ref),))
         if r is None:
             raise BadInput(f"no token {ref!r} (an id or a name); see `edgetune fleet token list`")
-        self.conn.execute("UPDATE tokens SET revoked_at=coalesce(revoked_at, ?) WHERE id=?", (time.time(), r["id"]))
+        with self.tx() as c:
+            c.execute("UPDATE tokens SET revoked_at=coalesce(revoked_at, ?) WHERE id=?", (time.time(), r["id"]))
         return self.get(r["id"])
 
     def verify(self, secret: str) -> Token | None:
         """The live token with this secret, or None (unknown or revoked)."""
-        r = self.conn.execute("SELECT * FROM tokens WHERE sha256=? AND revoked_at IS NULL",
-                              (digest(secret),)).fetchone()
+        r = self.query_one("SELECT * FROM tokens WHERE sha256=? AND revoked_at IS NULL", (digest(secret),))
         return self.touch(self._token(r)) if r else None
 
     def active(self, token_id: int) -> Token | None:
         """The token behind a browser session, or None once revoked."""
-        r = self.conn.execute("SELECT * FROM tokens WHERE id=? AND revoked_at IS NULL", (token_id,)).fetchone()
+        r = self.query_one("SELECT * FROM tokens WHERE id=? AND revoked_at IS NULL", (token_id,))
         return self.touch(self._token(r)) if r else None
 
     def touch(self, t: Token) -> Token:
         now = time.time()
         if t.last_used_at is None or now - t.last_used_at > TOUCH_EVERY_S:
-            self.conn.execute("UPDATE tokens SET last_used_at=? WHERE id=?", (now, t.id))
+            with self.tx() as c:
+                c.execute("UPDATE tokens SET last_used_at=? WHERE id=?", (now, t.id))
         return t
 
     def session_key(self) -> bytes:
         """The HMAC key of browser session cookies: made once, shared by every server on this auth DB."""
-        self.conn.execute("INSERT OR IGNORE INTO secrets (name, value) VALUES ('session_key', ?)",
-                          (secrets.token_bytes(32),))
-        return self.conn.execute("SELECT value FROM secrets WHERE name='session_key'").fetchone()[0]
+        with self.tx() as c:
+            c.execute("INSERT INTO secrets (name, value) VALUES ('session_key', ?) ON CONFLICT DO NOTHING",
+                      (secrets.token_bytes(32),))
+            return c.execute("SELECT value FROM secrets WHERE name='session_key'").fetchone()[0]

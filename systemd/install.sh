@@ -1,6 +1,7 @@
 #!/bin/sh
-# Install edgetune as a systemd service: a venv under the prefix, the unit, the sysusers entry, an example
-# config and the firmware-update hooks. It changes nothing outside the files it installs: creating the user,
+# Install edgetune as a systemd service: a venv under the prefix, the units (the device's edgetune.service and
+# the fleet server's edgetune-fleet.service, both inert until enabled), the sysusers entry, an example config and
+# the firmware-update hooks. It changes nothing outside the files it installs: creating the user,
 # reloading systemd and enabling the service are printed for you to run.
 #
 #   systemd/install.sh [--prefix DIR] [--python PYTHON] [--no-venv]
@@ -65,6 +66,7 @@ if [ "$VENV" = yes ]; then
 fi
 
 put 0644 "$SRC/systemd/edgetune.service" "$UNITDIR/edgetune.service"
+put 0644 "$SRC/systemd/edgetune-fleet.service" "$UNITDIR/edgetune-fleet.service"
 put 0644 "$SRC/systemd/sysusers.d/edgetune.conf" "$SYSUSERSDIR/edgetune.conf"
 put 0640 "$SRC/systemd/edgetune.toml.example" "$CONFDIR/edgetune.toml.example"
 for hook in ArtifactCommit_Leave_50_edgetune rauc-post-install.sh swupdate-postupdate.sh; do
@@ -93,6 +95,10 @@ To enable the service (as root on the device):
   systemctl daemon-reload
   systemctl enable --now edgetune
   journalctl -u edgetune -f
+
+On a fleet server instead (the dashboard, API and receiver; [fleet] in $CONFDIR/edgetune.toml):
+  $PREFIX/venv/bin/pip install '<edgetune source>[fleet]'
+  systemctl enable --now edgetune-fleet
 
 Firmware-update hooks (each always exits 0, so it can never block or roll back an update):
   Mender:   ship $HOOKDIR/ArtifactCommit_Leave_50_edgetune in your Artifacts:

@@ -47,3 +47,22 @@ def mosquitto(tmp_path):
     b = Mosquitto(tmp_path / "broker").start()
     yield b
     b.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A throwaway PostgreSQL cluster for the session (tests/pg.py); skipped when no server is installed."""
+    from tests.pg import PgCluster, missing_reason
+
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = PgCluster().init()
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture
+def pg_url(pg_cluster) -> str:
+    """A fresh, empty database on the session's cluster."""
+    return pg_cluster.create_db()

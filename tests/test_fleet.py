@@ -27,7 +27,7 @@ from fleet.ingest import ingest, record_uid
 from fleet.listener import Listener
 from edgetune.broker import BrokerSettings
 from fleet.mqtt import parse_broker
-from fleet.store import FleetStore, geomean
+from fleet.store import FleetStore, geomean, open_fleet_store
 
 REPO = Path(__file__).resolve().parent.parent
 DEV = "dev-1"
@@ -98,9 +98,10 @@ def opts(broker, **kw) -> BrokerSettings:
     return BrokerSettings(host=broker.host, port=broker.port, reconnect_min_s=0.05, **kw)
 
 
-@pytest.fixture
-def db(tmp_path) -> Path:
-    return tmp_path / "fleet.db"
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request, tmp_path) -> Path | str:
+    """The fleet DB each receiver and store test runs against: a SQLite file, then a fresh PostgreSQL database."""
+    return tmp_path / "fleet.db" if request.param == "sqlite" else request.getfixturevalue("pg_url")
 
 
 @pytest.fixture
@@ -111,7 +112,7 @@ def listener(mosquitto, db):
     lst.stop()
 
 
-def devices_json(db: Path) -> dict[str, dict]:
+def devices_json(db: Path | str) -> dict[str, dict]:
     r = edgetune("fleet", "devices", "--db", str(db), "--json")
     assert r.returncode == 0, r.stderr
     return {d["id"]: d for d in json.loads(r.stdout)}
@@ -138,7 +139,7 @@ def test_listener_stores_dedupes_and_devices_shows_speedup(mosquitto, listener, 
     assert (c["telemetry:new"], c["telemetry:duplicate"]) == (2, 1)
     assert c["malformed"] == 0
 
-    with FleetStore(db) as s:
+    with open_fleet_store(db) as s:
         recs = s.records(DEV)
         assert [r["kernel"] + "/" + r["workload"] for r in recs] == ["gemm/pw1", "gemm/pw2"]
         assert recs[0]["copies"] == 2 and recs[0]["record"] == record(1)
@@ -213,7 +214,7 @@ def test_malformed_payloads_are_skipped_and_listener_keeps_running(mosquitto, li
     assert listener.alive
     assert listener.counts["malformed"] == len(bad)
     assert listener.counts["ignored"] == 1 and listener.counts["status"] == 1
-    with FleetStore(db) as s:
+    with open_fleet_store(db) as s:
         assert len(s.malformed()) == len(bad)
         assert all(m["device_id"] == DEV and m["error"] for m in s.malformed())
     assert devices_json(db)[DEV]["state"] == "online"
@@ -234,7 +235,7 @@ def test_persistent_session_queues_while_the_listener_is_down(mosquitto, db, pro
         assert second.wait_for(lambda c: c["record"] >= 1 and c["status"] >= 1, T), dict(second.counts)
     finally:
         second.stop()
-    with FleetStore(db) as s:
+    with open_fleet_store(db) as s:
         assert [r["session_id"] for r in s.records(DEV)] == ["7"]
     dev.close()
 
@@ -288,7 +289,7 @@ def test_a_failed_db_write_is_not_acked_and_arrives_again(mosquitto, db, monkeyp
         dev.close()
     finally:
         lst.stop()
-    with FleetStore(db) as s:
+    with open_fleet_store(db) as s:
         assert len(s.records(DEV)) == 1
 
 
@@ -356,7 +357,7 @@ def test_retune_wait_follows_progress_to_success(mosquitto, listener):
     assert len(req["id"]) == 32 and req["expires_at"] > t0 + 60
     # the listener saw the command and every response
     assert listener.wait_for(lambda c: c["cmd_req"] >= 1 and c["cmd_res"] >= 4, T), dict(listener.counts)
-    with FleetStore(listener.store.path) as s:
+    with open_fleet_store(listener.store.path) as s:
         cmd = s.command(DEV, req["id"])
     assert cmd["op"] == "retune" and cmd["status"] == "succeeded"
     assert [x["status"] for x in cmd["responses"]] == ["accepted", "in_progress", "in_progress", "succeeded"]
@@ -458,7 +459,7 @@ def test_listen_cli_runs_until_sigterm(mosquitto, db):
 # ---- ingest and store, without a broker -------------------------------------------------------------------------
 
 def test_record_updates_keep_the_most_complete_copy(db):
-    with FleetStore(db) as s:
+    with open_fleet_store(db) as s:
         topic = f"edgetune/v1/{DEV}/tuning/record"
         assert ingest(s, topic, json.dumps(record(1, n=2, state="running")).encode()).detail == "new"
         assert ingest(s, topic, json.dumps(record(1, n=5)).encode()).detail == "updated"
@@ -476,7 +477,7 @@ def test_record_updates_keep_the_most_complete_copy(db):
 
 
 def test_status_history_dedupes_retained_redelivery_and_final_responses_stick(db):
-    with FleetStore(db) as s:
+    with open_fleet_store(db) as s:
         st_topic = f"edgetune/v1/{DEV}/status"
         online = json.dumps({"state": "online", "session": 1, "ts": 100.0}).encode()
         ingest(s, st_topic, online, retained=False, now=100.5)
@@ -503,7 +504,7 @@ def test_status_history_dedupes_retained_redelivery_and_final_responses_stick(db
 
 def test_schema_is_versioned_and_foreign_files_are_refused(tmp_path):
     with FleetStore(tmp_path / "f.db") as s:
-        assert s.schema_version == 1
+        assert s.schema_version == 2
     foreign = tmp_path / "foreign.db"
     sqlite3.connect(foreign).execute("CREATE TABLE x (y)").connection.commit()
     with pytest.raises(DBForeign, match="not an edgetune fleet DB"):
@@ -525,8 +526,8 @@ _subs = st.sampled_from(["status", "info", "config/active", "tuning/record", "te
                          "cmd/res/", "cmd/res/a/b", "other"])
 
 
-def test_ingest_never_raises_on_fuzzed_payloads(tmp_path):
-    store = FleetStore(tmp_path / "fuzz.db")
+def test_ingest_never_raises_on_fuzzed_payloads(db):
+    store = open_fleet_store(db)
 
     @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(device=st.text(min_size=1, max_size=12).filter(lambda d: "/" not in d), sub=_subs, payload=_payloads,

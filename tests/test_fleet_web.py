@@ -274,12 +274,12 @@ def test_token_cli_create_list_revoke(rig):
 
 def test_bad_fleet_config_is_refused_with_every_problem(tmp_path):
     cfg = tmp_path / "fleet.toml"
-    cfg.write_text('[fleet]\nport = "eighty"\nstale_minutes = -1\ndatabase = "postgresql://db/fleet"\ncolour = 1\n')
+    cfg.write_text('[fleet]\nport = "eighty"\nstale_minutes = -1\nauth_database = "postgresql://db/a"\ncolour = 1\n')
     env = os.environ | {"STATE_DIRECTORY": str(tmp_path / "state")}
     s = FleetServer(Mosquitto(tmp_path / "unused"), env, config=cfg)
     r = s.cli("fleet", "serve", "--broker", "127.0.0.1:1", "--config", str(cfg))
     assert r.returncode == 2
-    for key, word in (("fleet.port", "integer"), ("fleet.stale_minutes", "> 0"), ("fleet.database", "PostgreSQL"),
+    for key, word in (("fleet.port", "integer"), ("fleet.stale_minutes", "> 0"), ("fleet.auth_database", "SQLite"),
                       ("fleet.colour", "unknown key")):
         assert f"{key}: " in r.stderr and word in r.stderr, r.stderr
     assert s.cli("fleet", "serve", "--broker", "127.0.0.1:1", "--config", str(tmp_path / "none.toml")).returncode == 2

@@ -140,6 +140,7 @@ def test_install_tree_into_destdir(tmp_path) -> None:
     print(r.stdout)
     expected = {
         "usr/lib/systemd/system/edgetune.service": 0o644,
+        "usr/lib/systemd/system/edgetune-fleet.service": 0o644,
         "usr/lib/sysusers.d/edgetune.conf": 0o644,
         "etc/edgetune/edgetune.toml.example": 0o640,
         "opt/edgetune/hooks/ArtifactCommit_Leave_50_edgetune": 0o755,
@@ -151,8 +152,10 @@ def test_install_tree_into_destdir(tmp_path) -> None:
     for rel, m in expected.items():
         assert mode(dest / rel) == m, f"{rel}: {oct(mode(dest / rel))}"
     assert (dest / "usr/lib/systemd/system/edgetune.service").read_text() == UNIT.read_text()
+    assert (dest / "usr/lib/systemd/system/edgetune-fleet.service").read_text() == FLEET_UNIT.read_text()
     assert not (dest / "opt/edgetune/venv").exists()
     for step in ("systemd-sysusers", "systemctl daemon-reload", "systemctl enable --now edgetune",
+                 "systemctl enable --now edgetune-fleet", "[fleet]",
                  "mender-artifact write", "post-install=", "postupdatecmd"):
         assert step in r.stdout
     assert str(dest) not in r.stdout.split("\n", 1)[1]  # instructions name the target paths, not the stage
@@ -163,6 +166,8 @@ def test_install_prefix_is_followed_everywhere(tmp_path) -> None:
     assert install(dest, "--no-venv", "--prefix", "/srv/et").returncode == 0
     unit = (dest / "usr/lib/systemd/system/edgetune.service").read_text()
     assert "ExecStart=/srv/et/venv/bin/edgetune daemon" in unit and "/opt/edgetune" not in unit
+    fleet = (dest / "usr/lib/systemd/system/edgetune-fleet.service").read_text()
+    assert "ExecStart=/srv/et/venv/bin/edgetune fleet serve" in fleet and "/opt/edgetune" not in fleet
     for hook in (dest / "srv/et/hooks").iterdir():
         assert "INSTALLED_BIN=/srv/et/venv/bin/edgetune" in hook.read_text() and mode(hook) == 0o755
 

@@ -1,0 +1,309 @@
+"""Fleet load: a simulated fleet against real receivers, a real mosquitto on loopback and a throwaway PostgreSQL.
+
+    PYTHONPATH=. .venv/bin/python bench/fleet_load.py [--devices 1000] [--minutes 10] [--burst 20000]
+
+One process simulates N devices speaking the device contract (DESIGN.md "daemon and MQTT"): retained status,
+info and config/active, one tuning record each, then telemetry at 1 Hz for T minutes, all QoS 1. It publishes
+over a few broker connections, each carrying many devices' topics (N client connections from one process would
+measure the simulator, not the fleet side). Receivers are real `edgetune fleet listen` processes.
+
+Reported, side by side:
+1. ingest rate: a burst of queued telemetry drained by 1 or 2 receivers (shared subscription) into SQLite and
+   into PostgreSQL, messages/s;
+2. sustained: N devices at 1 Hz for T minutes into PostgreSQL (or --backend sqlite) with 2 receivers sharing
+   the subscription (or --receivers 1), one SIGKILLed half-way and restarted 5 s later (as systemd's Restart=
+   would): lost and duplicated rows, receiver lag (DB receive time minus the sample's send time) p50/p99;
+3. dashboard: `fleet serve` on that DB, p50/p95 latency of the overview page and a device page.
+The machine's load average is printed with each phase: on a shared machine the figures move with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from edgetune.broker import BrokerSettings  # noqa: E402
+from fleet.listener import Listener  # noqa: E402
+from fleet.store import open_fleet_store  # noqa: E402
+from tests.broker import Mosquitto, free_port  # noqa: E402
+from tests.pg import PgCluster, missing_reason  # noqa: E402
+
+PUBLISHERS = 4  # broker connections the simulated fleet publishes over
+HW = {"arch": "x86_64", "cpu_model": "Sim CPU", "isa": "x86-64-v3", "vector_bits": 256, "cores": 4,
+      "hw_fingerprint": "hw-sim", "fw_fingerprint": "fw-sim"}
+
+
+def load() -> str:
+    return "load %.2f %.2f %.2f on %d cores" % (*os.getloadavg(), os.cpu_count())
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+class Fleet:
+    """N simulated devices over PUBLISHERS connections; `pub` waits for nothing, `flush` for every PUBACK."""
+
+    def __init__(self, broker: Mosquitto, n: int, tag: str):
+        self.devices = [f"sim-{tag}-{i:04d}" for i in range(n)]
+        self.boot = uuid.uuid4().hex[:8]
+        self.clients = []
+        self.pending: list[mqtt.MQTTMessageInfo] = []
+        for i in range(PUBLISHERS):
+            c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fleet-sim-{tag}-{i}", protocol=mqtt.MQTTv5)
+            c.max_inflight_messages_set(1000)
+            c.max_queued_messages_set(0)
+            c.connect(broker.host, broker.port)
+            c.loop_start()
+            self.clients.append(c)
+
+    def pub(self, i: int, sub: str, payload: dict, retain: bool = False) -> None:
+        c = self.clients[i % PUBLISHERS]
+        self.pending.append(c.publish(f"edgetune/v1/{self.devices[i]}/{sub}", json.dumps(payload), qos=1,
+                                      retain=retain))
+
+    def flush(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        for info in self.pending:
+            info.wait_for_publish(max(0.1, deadline - time.monotonic()))
+            if not info.is_published():
+                raise RuntimeError("the broker did not acknowledge a publish")
+        self.pending.clear()
+
+    def announce(self) -> int:
+        """Retained status, info and config/active, and one tuning record per device."""
+        now = time.time()
+        for i, d in enumerate(self.devices):
+            self.pub(i, "status", {"state": "online", "session": 1, "version": "0.1.0", "ts": now}, retain=True)
+            self.pub(i, "info", {"device_id": d, "hw": HW, "hw_fingerprint": "hw-sim", "fw_fingerprint": "fw-sim",
+                                 "model": {"version": "m1"}}, retain=True)
+            self.pub(i, "config/active", {"model_version": "m1", "kernels": {
+                "gemm/pw1": {"config": {"tile": 32}, "ms": 0.5, "default_ms": 1.0 + i % 7 / 10, "evals": 12,
+                             "strategy": "anneal", "tuned_at": now},
+                "conv1d/ds1": {"config": {"tile": 8}, "ms": 2.0, "default_ms": 3.0, "evals": 9,
+                               "strategy": "anneal", "tuned_at": now}}}, retain=True)
+            self.pub(i, "tuning/record", {"id": 1, "kernel": "gemm", "workload": "pw1", "state": "done",
+                                          "started_at": now - 60, "hw_fingerprint": "hw-sim",
+                                          "measurements": [{"seq": k, "ms": 1.0 / (k + 1)} for k in range(5)]})
+        self.flush()
+        return 4 * len(self.devices)
+
+    def telemetry(self, i: int, seq: int) -> None:
+        self.pub(i, "telemetry", {"boot_id": self.boot, "seq": seq, "ts": time.time(), "cpu_percent": 20.0 + i % 50,
+                                  "load1": 0.5, "temp_c": 50.0 + seq % 10, "freq_mhz": 1800.0, "mem_used": 0.4,
+                                  "rss": 4.0e7, "state": "idle"})
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.disconnect()
+            c.loop_stop()
+
+
+class Receiver:
+    """One `edgetune fleet listen` process."""
+
+    def __init__(self, broker: Mosquitto, db: str, client_id: str, share: str | None, log: Path):
+        self.argv = [sys.executable, "-m", "edgetune.main", "fleet", "listen", "--broker",
+                     f"{broker.host}:{broker.port}", "--db", db, "--client-id", client_id, "--json",
+                     *(["--share", share] if share else [])]
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+        # the persistent session and its subscription exist before anything is published: the process started
+        # later resumes it, so nothing published meanwhile can miss it
+        lst = Listener(BrokerSettings(host=broker.host, port=broker.port), db, client_id=client_id,
+                       share=share).start()
+        if not lst.subscribed.wait(60):
+            raise RuntimeError("receiver session did not subscribe")
+        lst.stop()
+
+    def start(self) -> "Receiver":
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=subprocess.PIPE, stderr=err,
+                                         env=os.environ | {"PYTHONPATH": str(REPO)})
+        return self
+
+
+    def stop(self) -> dict:
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=60)
+        return json.loads(out) if out.strip() else {}
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def wait_rows(db: str, table: str, want: int, timeout: float) -> tuple[int, float]:
+    """Poll the DB until `table` holds `want` rows; returns (rows, when the last poll saw them)."""
+    deadline = time.monotonic() + timeout
+    with open_fleet_store(db) as s:
+        while True:
+            n = s.query_one(f"SELECT count(*) FROM {table}")[0]
+            if n >= want or time.monotonic() > deadline:
+                return n, time.monotonic()
+            time.sleep(0.2)
+
+
+def burst(broker: Mosquitto, db: str, receivers: int, messages: int, work: Path) -> dict:
+    """Queue `messages` telemetry samples while the receivers are away, then time their drain."""
+    group = f"b{uuid.uuid4().hex[:6]}" if receivers > 1 else None
+    recv = [Receiver(broker, db, f"burst-{group or 'solo'}-{i}-{uuid.uuid4().hex[:4]}", group, work / f"r{i}.log")
+            for i in range(receivers)]
+    fleet = Fleet(broker, 500, uuid.uuid4().hex[:4])
+    for seq in range(messages // 500):
+        for i in range(500):
+            fleet.telemetry(i, seq)
+    fleet.flush()
+    fleet.close()
+    for r in recv:
+        r.start()
+    n, _ = wait_rows(db, "telemetry", messages, timeout=900)
+    stats = [r.stop() for r in recv]
+    split = [s.get("messages", {}).get("telemetry", 0) for s in stats]
+    with open_fleet_store(db) as s:  # the receivers' own clock: process start-up is not ingest time
+        first, last = s.query_one("SELECT min(received_at), max(received_at) FROM telemetry")
+    return {"stored": n, "s": last - first, "rate": n / (last - first), "split": split, "load": load()}
+
+
+def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, work: Path) -> dict:
+    group = f"s{uuid.uuid4().hex[:6]}"
+    recv = [Receiver(broker, db, f"sustained-{group}-{i}", group if receivers > 1 else None, work / f"s{i}.log")
+            for i in range(receivers)]
+    for r in recv:
+        r.start()
+    fleet = Fleet(broker, n, "load")
+    fleet.announce()
+    killed_at = None
+    t0 = time.monotonic()
+    behind = 0.0
+    for seq in range(seconds):
+        tick = t0 + seq
+        time.sleep(max(0.0, tick - time.monotonic()))
+        behind = max(behind, time.monotonic() - tick)
+        for i in range(n):
+            fleet.telemetry(i, seq)
+        if seq == seconds // 2:
+            recv[0].kill()
+            killed_at = seq
+        if killed_at is not None and seq == killed_at + 5:
+            recv[0].start()
+        if seq % 10 == 0:
+            fleet.flush()  # bounded memory: PUBACKs of the last ten seconds
+    fleet.flush()
+    fleet.close()
+    n_rows, _ = wait_rows(db, "telemetry", n * seconds, timeout=600)
+    stats = [r.stop() for r in recv]
+    with open_fleet_store(db) as s:
+        rows = s.query("SELECT seq, received_at - ts FROM telemetry")
+        lags = [lag for _, lag in rows]
+        # samples sent while a receiver was down wait for its restart: their lag is the outage, shown apart
+        calm = [lag for seq, lag in rows if not killed_at - 1 <= seq <= killed_at + 15]
+        dup = s.query_one("SELECT count(*) - (SELECT count(*) FROM (SELECT DISTINCT device_id, boot_id, seq"
+                          " FROM telemetry) x) FROM telemetry")[0]
+        recs = s.query_one("SELECT count(*), sum(copies) FROM records")
+    return {"devices": n, "seconds": seconds, "expected": n * seconds, "stored": n_rows,
+            "lost": n * seconds - n_rows, "duplicated_rows": dup, "records": recs[0], "record_copies": recs[1],
+            "redelivered_deduped": sum(s.get("messages", {}).get("telemetry:duplicate", 0) for s in stats),
+            "lag_p50_s": pct(lags, 50), "lag_p99_s": pct(lags, 99), "lag_max_s": max(lags),
+            "lag_p99_outside_kill_window_s": pct(calm, 99),
+            "publisher_behind_max_s": behind, "load": load()}
+
+
+def dashboard(broker: Mosquitto, db: str, device: str, work: Path, n: int = 40) -> dict:
+    cfg = work / "fleet.toml"
+    port = free_port()
+    cfg.write_text(f'[fleet]\ndatabase = "{db}"\nauth_database = "{work / "auth.db"}"\nport = {port}\n'
+                   'anonymous_read = true\nshare_group = "dash"\n')
+    with open(work / "serve.log", "ab") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "edgetune.main", "fleet", "serve", "--config", str(cfg),
+                                 "--broker", f"{broker.host}:{broker.port}", "--client-id", "bench-serve"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                                env=os.environ | {"PYTHONPATH": str(REPO)})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(base + "/healthz", timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError((work / "serve.log").read_text()[-2000:])
+                time.sleep(0.2)
+        out = {}
+        for name, path in (("overview", "/"), ("device", f"/devices/{device}"), ("device list", "/devices")):
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                with urllib.request.urlopen(base + path, timeout=30) as r:
+                    assert r.status == 200
+                    r.read()
+                times.append(time.perf_counter() - t)
+            out[name] = {"p50_ms": 1000 * pct(times, 50), "p95_ms": 1000 * pct(times, 95)}
+        out["load"] = load()
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=1000)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--burst", type=int, default=20000, help="telemetry messages per ingest-rate run (0: skip)")
+    ap.add_argument("--backend", choices=("postgresql", "sqlite"), default="postgresql",
+                    help="fleet DB of the sustained run and the dashboard")
+    ap.add_argument("--receivers", type=int, choices=(1, 2), default=2, help="receivers in the sustained run")
+    args = ap.parse_args()
+    if missing_reason():
+        print(missing_reason(), file=sys.stderr)
+        return 1
+    work = Path(tempfile.mkdtemp(prefix="fleet-load-"))
+    broker = Mosquitto(work / "broker", extra_conf=["max_queued_messages 0"]).start()
+    pg = PgCluster().init()
+    print(f"fleet_load: {args.devices} devices, {args.minutes:g} min, burst {args.burst}; {load()}; work {work}",
+          flush=True)
+    try:
+        print("\n1. ingest rate (queued telemetry drained by the receivers)")
+        for backend in ("sqlite", "postgresql") if args.burst else ():
+            for n in (1, 2):
+                db = str(work / f"burst-{n}.db") if backend == "sqlite" else pg.create_db()
+                r = burst(broker, db, n, args.burst, work)
+                print(f"   {backend:10s} x{n} receiver{'s' if n > 1 else ' '}: {r['rate']:7.0f} msg/s "
+                      f"({r['stored']} in {r['s']:.1f} s, split {r['split']}); {r['load']}", flush=True)
+        print(f"\n2. sustained: {args.devices} devices at 1 Hz for {args.minutes:g} min, {args.backend}, "
+              f"{args.receivers} receiver(s) (2: sharing the subscription), one SIGKILLed half-way and restarted 5 s later")
+        db = pg.create_db() if args.backend == "postgresql" else str(work / "sustained.db")
+        r = sustained(broker, db, args.devices, int(args.minutes * 60), args.receivers, work)
+        for k, v in r.items():
+            print(f"   {k}: {v:.3f}" if isinstance(v, float) else f"   {k}: {v}", flush=True)
+        print(f"\n3. dashboard pages with that fleet in the DB (fleet serve, {args.backend})")
+        d = dashboard(broker, db, "sim-load-0001", work)
+        for k, v in d.items():
+            print(f"   {k}: {v}", flush=True)
+    finally:
+        broker.stop()
+        pg.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
