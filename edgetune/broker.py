@@ -198,6 +198,7 @@ class Client:
         self._drop = False
         self._hold = 0.0
         self._fell_back = False
+        self._answered = False
         self._conn: Connection | None = None
         self._calls: queue.SimpleQueue[Callable[[Connection], None]] = queue.SimpleQueue()
         self._waiters: dict[int, Callable[[str | None], None]] = {}
@@ -353,10 +354,11 @@ class Client:
     def _serve(self, client: paho.Client) -> None:
         """Run one connection until it drops, we are told to drop it, or we stop."""
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        self._answered = False  # a CONNACK came on this connection (a refusal too: its reason is the error)
         while not self._fell_back:
             sock = client.socket()
             if sock is None:
-                if not self.connected:
+                if not self.connected and not self._answered:
                     self._error(self._closed_before_connack())
                 return
             if self._stop.is_set() or self._drop:
@@ -428,6 +430,7 @@ class Client:
     # ---- paho callbacks (called from loop_read / loop_misc, in this thread) -------------------------------
 
     def _connected(self, client: paho.Client, _ud: Any, flags: Any, reason: Any, props: Any) -> None:
+        self._answered = True
         if reason.is_failure:
             if reason.value == UNSUPPORTED_PROTOCOL and self.protocol == "5":
                 log.info("mqtt: broker %s refused MQTT 5; falling back to MQTT 3.1.1", self.settings.label)
