@@ -36,10 +36,11 @@ from bench.peers.numpy_blas import NumpyPeer, NumpyProcess  # noqa: E402
 from edgetune.errors import BadInput, EdgetuneError  # noqa: E402
 from edgetune.output import console, fmt, progress, table  # noqa: E402
 from fleet.store import geomean  # noqa: E402
-from kernels.build import CompileError, build_many  # noqa: E402
+from kernels.build import CompileError  # noqa: E402
+from kernels.space import config_key  # noqa: E402
 from kernels.registry import all_specs  # noqa: E402
 from kernels.spec import KernelSpec, Workload  # noqa: E402
-from tuner.evaluate import interleave_plan, median_time, same_round_ratio  # noqa: E402
+from tuner.evaluate import Measured, interleave_plan, median_time, same_round_ratio  # noqa: E402
 
 DEFAULT, TUNED = "edgetune default", "edgetune tuned"
 BEST_PEER_CANDIDATES = ("ORT -reorder", "XNNPACK", "torch")
@@ -69,7 +70,7 @@ class Row:
 
 
 def _edgetune(spec: KernelSpec, wl: Workload, threads: int, hw: Any, runner: Any, tuned_of: Any, row: Row,
-              act: str, min_time_s: float) -> list[Any]:
+              min_time_s: float) -> list[Any]:
     pinned = pinned_spec(spec, threads)
     default, why = default_config(pinned, wl, hw)
     if default is None:
@@ -77,13 +78,15 @@ def _edgetune(spec: KernelSpec, wl: Workload, threads: int, hw: Any, runner: Any
         return []
     tuned = tuned_of(pinned, wl, threads) or Tuned(default, "the default (no tuned config)")
     row.configs, row.tuned_source = {DEFAULT: default, TUNED: tuned.config}, tuned.source
-    builds = build_many(spec, [default, tuned.config], hw, shape=wl.shape)
+    ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner, min_time_s=min_time_s, max_reps=15, timeout_s=30)
+    ev.evaluate([], prebuild=[default, tuned.config])  # both built in one parallel batch, before any timing
     out = []
-    for name, b in zip((DEFAULT, TUNED), builds):
+    for name, cfg in ((DEFAULT, default), (TUNED, tuned.config)):
+        b = ev.builds[config_key(cfg)]
         if isinstance(b, CompileError):
             row.notes[name] = f"compile error: {b}"
         else:
-            out.append(EdgetunePeer(name, runner, spec, wl, b.path, act, min_time_s))
+            out.append(EdgetunePeer(name, ev, cfg))
     return out
 
 
@@ -136,7 +139,7 @@ def _score(row: Row) -> None:
 def bench_row(spec: KernelSpec, wl: Workload, threads: int, ctx: "Context", bar: Any, task: Any) -> Row:
     row = Row(spec.name, wl.name, spec.domain, threads)
     case = make_case(spec, wl, ctx.epilogue)
-    contenders = _edgetune(spec, wl, threads, ctx.hw, ctx.runner, ctx.tuned_of, row, case.epilogue.act,
+    contenders = _edgetune(spec, wl, threads, ctx.hw, ctx.runner, ctx.tuned_of, row,
                            ctx.min_time_s)
     contenders += _peers(case, threads, ctx.numpy_proc, row, ctx.min_time_s)
     for pos, j in enumerate(interleave_plan(len(contenders), ctx.rounds, seed=ctx.seed)):

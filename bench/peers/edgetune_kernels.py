@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.peers.cases import fuses_epilogue
 from edgetune import paths
 from edgetune.errors import BadInput
 from kernels.space import Config, enum
 from kernels.spec import KernelSpec, Workload
+from tuner.evaluate import Measured
 from tuner.strategies import Anneal
 
 
@@ -76,8 +76,7 @@ class LongTune:
 
         os.environ["STATE_DIRECTORY"] = str(tune_dir())
         self.evals, self.seed = evals, seed
-        self.session = Session(ResultsDB(tune_dir() / "results.db"), runner, hw)
-        self.session._ort_ms = lambda spec, wl: None  # the ONNX twin is no contender here
+        self.session = Session(ResultsDB(tune_dir() / "results.db"), runner, hw, ort_twin=False)  # no contender
 
     def __call__(self, spec: KernelSpec, wl: Workload, threads: int, progress: Any = None) -> Tuned:
         from tuner.session import Budget
@@ -108,20 +107,16 @@ def from_results_db(path: Path, spec: KernelSpec, wl: Workload, threads: int, hw
 
 
 class EdgetunePeer:
-    """One edgetune config as a contender: each round is one checked, timed measurement in the kernel worker, as
-    the tuner measures (so the thread runtime and wait policy are the worker's)."""
+    """One edgetune config as a contender: each round is one checked, timed measurement through the tuner's own
+    evaluator (tuner.evaluate.Measured: the worker, so the thread runtime and wait policy are the tuner's)."""
 
-    def __init__(self, name: str, runner: Any, spec: KernelSpec, wl: Workload, so_path: Path, act: str = "none",
-                 min_time_s: float = 0.02):
-        self.name, self.runner, self.spec, self.wl, self.so, self.min_time_s = name, runner, spec, wl, so_path, min_time_s
-        # a kernel that fuses the activation runs it (the worker checks against the reference with it applied)
-        self.act = {"act": act} if fuses_epilogue(spec) else {}
+    def __init__(self, name: str, evaluator: Measured, config: Config):
+        self.name, self.evaluator, self.config = name, evaluator, config
         self.times: list[float | None] = []
         self.error: str | None = None
 
     def sample(self) -> None:
-        m = self.runner.measure(self.spec, self.wl.shape, self.so, min_time_s=self.min_time_s, max_reps=15,
-                                timeout_s=30, **self.act)
+        m = self.evaluator.evaluate([self.config])[0]
         self.times.append(m.ms if m.ok else None)
         if not m.ok:
             self.error = m.reason
