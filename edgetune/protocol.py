@@ -47,6 +47,10 @@ EXPIRED = "expired"
 # telemetry `state` values besides the tuner's; `paused` says why in telemetry `paused` and in `edgetune status`
 PAUSED = "paused"
 
+# model/state: where a device is with a release; the last four are final for that release
+MODEL_STATES = ("downloading", "verifying", "evaluating", "committed", "rolled_back", "rejected", "failed")
+MODEL_FINAL_STATES = ("committed", "rolled_back", "rejected", "failed")
+
 # cmd/req: op → the argument names it takes (the device checks values; see docs/protocol.md)
 OPS: dict[str, tuple[str, ...]] = {
     "retune": ("kernels", "workloads", "strategy", "budget", "force"),
@@ -104,7 +108,13 @@ CMD_RES = TopicSpec("cmd/res/{id}", DEVICE_TO_FLEET, False,
 # end-to-end delivery: a fleet receiver publishes this after its DB committed a tuning record or a final command
 # response; the device keeps those in its outbox until then (the broker's PUBACK only means the broker has them)
 ACK = TopicSpec("ack", FLEET_TO_DEVICE, False, ("keys", "ts"))
-TOPICS = (STATUS, INFO, CONFIG_ACTIVE, TUNING_RECORD, TELEMETRY, CMD_REQ, CMD_RES, ACK)
+# model rollout: the fleet retains one signed release per device (edgetune/release.py: manifest + signature, and
+# the rollout it belongs to); an empty retained message withdraws it. The device retains its model state.
+MODEL_RELEASE = TopicSpec("model/release", FLEET_TO_DEVICE, True, ("manifest", "signature", "rollout_id", "phase"))
+MODEL_STATE = TopicSpec("model/state", DEVICE_TO_FLEET, True,
+                        ("state", "current", "previous", "rollout_id", "phase", "version", "reason", "detail",
+                         "ts"))
+TOPICS = (STATUS, INFO, CONFIG_ACTIVE, TUNING_RECORD, TELEMETRY, CMD_REQ, CMD_RES, ACK, MODEL_RELEASE, MODEL_STATE)
 
 
 # ---- ids ---------------------------------------------------------------------------------------------------------
@@ -164,6 +174,8 @@ class Topics:
     telemetry = _topic(TELEMETRY)
     cmd_req = _topic(CMD_REQ)
     ack = _topic(ACK)
+    model_release = _topic(MODEL_RELEASE)
+    model_state = _topic(MODEL_STATE)
 
     def cmd_res(self, command_id: str | None) -> str:
         """cmd/res/{id}; a request without a usable id is answered on cmd/res/invalid."""

@@ -32,8 +32,8 @@ def test_every_topic_round_trips_through_build_and_parse():
 
 
 def test_a_newer_devices_topic_parses_as_unknown_not_as_an_error():
-    p = parse_topic("edgetune/v1/dev-1/model/state")
-    assert (p.device_id, p.sub, p.spec) == ("dev-1", "model/state", None)
+    p = parse_topic("edgetune/v1/dev-1/ota/chunk")
+    assert (p.device_id, p.sub, p.spec) == ("dev-1", "ota/chunk", None)
 
 
 @pytest.mark.parametrize("bad", ["", "-lead", ".lead", "a/b", "a+b", "a#", "sp ace", "ünï", "x" * 129, None, 7])
@@ -146,6 +146,21 @@ def test_the_doc_lists_every_command_status_and_which_are_terminal():
 
 def test_the_doc_lists_every_device_state():
     assert [names(r["state"])[0] for r in doc_tables()["state"]] == list(wire.STATUS_STATES)
+
+
+def test_the_doc_lists_every_model_state_and_which_are_final():
+    rows = doc_tables()["model state"]
+    assert [names(r["model state"])[0] for r in rows] == list(wire.MODEL_STATES)
+    assert [names(r["model state"])[0] for r in rows if r["final"] == "yes"] == list(wire.MODEL_FINAL_STATES)
+
+
+def test_the_doc_names_every_release_rejection_reason():
+    from edgetune import release
+
+    codes = [v for k, v in vars(release).items() if k.isupper() and isinstance(v, str) and k not in
+             ("PROMPT_FORMAT",)]
+    text = DOC.read_text()
+    assert codes and all(f"`{c}`" in text for c in codes), codes
 
 
 def test_the_doc_states_the_id_rule_the_prefix_and_the_size_limits():
