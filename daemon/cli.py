@@ -131,8 +131,23 @@ def _render_status(st: dict) -> None:
         ["outbox", f"{ob.get('messages', 0)} message(s), {ob.get('bytes', 0)} B, {ob.get('dropped', 0)} dropped"],
         ["last tune", f"{last['target']} {fmt(last['ms'], 4)} ms, speedup {fmt(last['speedup'], 2)}x "
                       f"at {_ago(last['tuned_at'])}" if last else "-"],
+        ["model", _model_line(st.get("model"), st.get("model_update"))],
     ]
     table(f"edgetune daemon {st['version']}", ["", ""], rows)
+
+
+def _model_line(m: dict | None, up: dict | None) -> str:
+    """The tuner model in use, where it came from, and the last release's state."""
+    if not m:
+        return "-"
+    line = f"{m.get('name')} {m.get('version')}"
+    if up:
+        line += f", release v{up['release']} (slot {up['slot']})" if up.get("release") is not None else ", bundled"
+        last = up.get("state")
+        if last:
+            line += f"; last release v{last.get('version')}: {last.get('state')}" + (
+                f" ({last['reason']})" if last.get("reason") else "")
+    return line
 
 
 def cmd_ping(args: argparse.Namespace) -> int:

@@ -1,10 +1,14 @@
-"""The daemon's config sections: its top-level keys and [outbox] (see edgetune.config)."""
+"""The daemon's config sections: its top-level keys, [outbox] and [model_update] (see edgetune.config)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from edgetune.config import Section, positive
+from edgetune.errors import BadInput
+from edgetune.release import MAX_MODEL_BYTES
 
 
 @dataclass
@@ -33,3 +37,47 @@ SECTIONS = [
         "resend_s": positive,
     }),
 ]
+
+
+@dataclass
+class ModelUpdateConfig:
+    """[model_update]: follow the fleet's signed tuner-model releases (daemon.model_update)."""
+
+    enabled: bool = True
+    trusted_keys: list[str] = field(default_factory=list)  # ed25519 public key files (PEM or base64 raw)
+    fleet_url: str = ""  # the fleet server's base URL; a release's file is fleet_url + manifest url
+    max_bytes: int = 16 << 20  # the largest model file this device takes
+    latency_budget_ms: float = 5000.0  # the health check: proposing for one workload may take this long
+    top_k: int = 3  # the health check compares the measured best of each model's top-K
+    rounds: int = 5  # interleaved rounds of that comparison
+    tolerance: float = 0.05  # the new model's top-K may measure up to this much slower (noise) and still pass
+    http_timeout_s: float = 30.0
+
+
+def _trusted(v: list[str]) -> str | None:
+    from edgetune.release import load_trusted_keys
+
+    try:
+        load_trusted_keys([Path(p) for p in v])
+    except BadInput as e:
+        return str(e)
+    return None
+
+
+def _url(v: str) -> str | None:
+    u = urllib.parse.urlsplit(v)
+    if v and (u.scheme not in ("http", "https") or not u.netloc or u.query or u.fragment):
+        return f"{v!r} must be an http:// or https:// base URL such as http://fleet.example:8080"
+    return None
+
+
+SECTIONS.append(Section("model_update", ModelUpdateConfig, {
+    "trusted_keys": _trusted,
+    "fleet_url": _url,
+    "max_bytes": lambda v: None if 1 <= v <= MAX_MODEL_BYTES else f"must be 1-{MAX_MODEL_BYTES}",
+    "latency_budget_ms": positive,
+    "top_k": lambda v: None if 1 <= v <= 20 else "must be 1-20",
+    "rounds": lambda v: None if 1 <= v <= 50 else "must be 1-50",
+    "tolerance": lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
+    "http_timeout_s": positive,
+}))

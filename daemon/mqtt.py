@@ -33,10 +33,12 @@ RESEND_CHECK_S = 5.0  # how often the link looks for rows whose fleet ack is ove
 
 class Link(Handler):
     def __init__(self, cfg: BrokerSettings, topics: Topics, outbox: Outbox, *, will: Callable[[], bytes],
-                 on_connected: Callable[[], None], on_command: Callable[[bytes], None]):
+                 on_connected: Callable[[], None], on_command: Callable[[bytes], None],
+                 on_release: Callable[[bytes], None] | None = None):
         self.cfg, self.topics, self.outbox = cfg, topics, outbox
-        self._on_connected, self._on_command = on_connected, on_command
-        self.client = Client(cfg, topics.device_id, self, subscriptions=(topics.cmd_req, topics.ack),
+        self._on_connected, self._on_command, self._on_release = on_connected, on_command, on_release
+        subs = (topics.cmd_req, topics.ack) + ((topics.model_release,) if on_release else ())
+        self.client = Client(cfg, topics.device_id, self, subscriptions=subs,
                              session_expiry_s=cfg.session_expiry_s, will=lambda: Will(topics.status, will()))
         self._resend_checked = 0.0
         self._drained = threading.Condition()
@@ -122,6 +124,8 @@ class Link(Handler):
             self._on_command(msg.payload)
         elif msg.topic == self.topics.ack:
             self._fleet_ack(msg.payload)
+        elif msg.topic == self.topics.model_release and self._on_release:
+            self._on_release(msg.payload)  # daemon.model_update checks it, in its own thread
 
     def _fleet_ack(self, payload: bytes) -> None:
         try:

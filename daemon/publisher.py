@@ -43,6 +43,9 @@ class Publisher:
     def config_active(self, doc: dict) -> None:
         self._put(self.topics.config_active, doc, "config", retain=True)
 
+    def model_state(self, doc: dict) -> None:
+        self._put(self.topics.model_state, doc, "model", retain=True)
+
     def record(self, doc: dict) -> None:
         self._put(self.topics.record, doc, "record", ack_key=record_ack_key(doc["record_id"]))
 

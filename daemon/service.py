@@ -1,7 +1,8 @@
 """`edgetune daemon`: keep this device's kernels tuned for its hardware, firmware and model, and report it.
 
 Threads: main (signals, telemetry, watchdog, reload), mqtt (daemon.mqtt.Link), tuner (daemon.scheduler),
-control (the local socket), ops (short commands: probe, report, ping). Every result goes to the results DB
+control (the local socket), ops (short commands: probe, report, ping), model (daemon.model_update: the fleet's
+signed tuner-model releases). Every result goes to the results DB
 first and to the broker through the outbox, so neither a broker outage nor a crash loses one.
 """
 
@@ -22,6 +23,7 @@ from daemon.commands import JOURNAL_KEEP_S, TERMINAL, Command, Commands
 from edgetune.config import Config
 from daemon.control import ControlServer
 from daemon.info import info_doc, model_info
+from daemon.model_update import Updater
 from daemon.mqtt import Link
 from daemon.outbox import Outbox
 from daemon.publisher import Publisher, status_doc
@@ -63,6 +65,7 @@ class Daemon:
         self.ops: ThreadPoolExecutor | None = None
         self.publisher: Publisher | None = None
         self.control: ControlServer | None = None
+        self.updater: Updater | None = None
         self.paused: str | None = None  # why telemetry and tuning wait (a full disk), or None
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
@@ -103,6 +106,8 @@ class Daemon:
         if not self._until_space(self._open_state):
             return False
         self._start_link()
+        if self.updater:
+            self.updater.start()
         self._ready = True
         sdnotify.notify(READY=1, STATUS=self._status_line())
         self.scheduler.start()
@@ -157,6 +162,9 @@ class Daemon:
         self.commands = Commands(self.journal, self.publisher.response, self._check, self._execute)
         self.scheduler = Scheduler(self.hw, self, self.cfg.idle_load_threshold)
         self.ops = ThreadPoolExecutor(1, thread_name_prefix="ops")
+        if self.cfg.model_update.enabled and self.updater is None:
+            self.updater = Updater(self.cfg.model_update, self.store, self.publisher.model_state, self.hw,
+                                   lambda: self.pairs, self._model_committed)
         log.info("edgetune daemon %s: device %s, session %d, hw %s, fw %s, %d workload(s) configured", __version__,
                  self.cfg.device_id, self.session, self.hw.hw_fingerprint, self.hw.fw_fingerprint, len(self.pairs))
         self.journal.prune(TERMINAL, JOURNAL_KEEP_S)
@@ -177,7 +185,8 @@ class Daemon:
         topics = self.publisher.topics
         self.link = Link(self.cfg.mqtt, topics, self.outbox,
                          will=lambda: encode(status_doc("lost", self.session)),
-                         on_connected=self._connected, on_command=self.commands.handle)
+                         on_connected=self._connected, on_command=self.commands.handle,
+                         on_release=self.updater.offer if self.updater else None)
         self.publisher.wake = self.link.wake
         self.link.start()
         self.link.attempted.wait(CONNECT_TIMEOUT_S + 1)
@@ -187,9 +196,36 @@ class Daemon:
         self.publisher.status("online", self.session)
         self.publisher.info(self._info())
         self.publisher.config_active(self.active_doc)
+        state = self.updater.state() if self.updater else None
+        if state:
+            self.publisher.model_state(state)
 
     def _info(self) -> dict:
-        return info_doc(self.cfg.device_id, self.hw, self.model, self.cfg.tuning, self.pairs)
+        return info_doc(self.cfg.device_id, self.hw, self.model, self.cfg.tuning, self.pairs) | {
+            "model_update": self._model_update()}
+
+    def _model_update(self) -> dict | None:
+        """`info`'s model_update: where the model in use came from (`release`: the committed release's version,
+        null for the bundled model), the `previous` one kept for a rollback, and the last model/state."""
+        if not self.updater:
+            return None
+        ptr = self.updater.pointer()
+        cur, prev = ptr["current"] or {}, ptr["previous"]
+        return {"release": cur.get("version"), "slot": cur.get("slot"), "rollout_id": cur.get("rollout_id"),
+                "previous": {k: prev.get(k) for k in ("name", "version", "sha256")} if prev else None,
+                "state": self.updater.state()}
+
+    def _model_committed(self, better: list[str]) -> None:
+        """A new model is current (the model thread): results now name it, `info` says so, and the workloads it
+        measured better on are retuned with it (forced: the model is not part of a result's key)."""
+        self.model = model_info()
+        self.publisher.info(self._info())
+        chosen = [targets.Target(s, w, force=True) for s, w in self.pairs if f"{s.name}/{w.name}" in better]
+        if chosen:
+            log.info("retuning %d workload(s) with the new model: %s", len(chosen), ", ".join(better))
+            self.scheduler.submit(Job({t.name: t for t in chosen}, self.cfg.tuning.strategy, self.cfg.tuning.budget,
+                                      "daemon", wait_idle=True, objective=self.cfg.tuning.objective,
+                                      power=self.cfg.power))
 
     def _first_plan(self) -> None:
         """A firmware change (marker from an update hook, or a new fw_fingerprint) retunes everything; otherwise
@@ -258,7 +294,8 @@ class Daemon:
 
     def _healthy(self) -> bool:
         """No watchdog ping if a worker thread died: systemd then restarts a daemon that stopped working."""
-        dead = [n for n, t in (("tuner", self.scheduler), ("mqtt", self.link), ("control", self.control))
+        dead = [n for n, t in (("tuner", self.scheduler), ("mqtt", self.link), ("control", self.control),
+                               ("model", self.updater))
                 if t is not None and not t.alive()]
         if dead:
             log.error("thread(s) died: %s; withholding the watchdog ping", ", ".join(dead))
@@ -273,6 +310,8 @@ class Daemon:
                 self.commands.update(cid, "failed", reason="interrupted")
         if self.ops:
             self.ops.shutdown(wait=True)
+        if self.updater:
+            self.updater.stop()  # a download or health check in progress resumes at the next start
         if self.publisher:
             try:
                 self.publisher.status("offline", self.session)
@@ -317,6 +356,8 @@ class Daemon:
         self.outbox.max_bytes, self.outbox.max_age_s = new.outbox.max_bytes, new.outbox.max_age_s
         self.outbox.resend_s, self.publisher.fleet_ack = new.outbox.resend_s, new.outbox.fleet_ack
         self.scheduler.idle_threshold = new.idle_load_threshold
+        if self.updater:
+            self.updater.cfg = new.model_update
         self.pairs = self._configured()
         if new.mqtt != old.mqtt or new.device_id != old.device_id:
             log.info("config reload: broker settings changed, reconnecting")
@@ -441,7 +482,8 @@ class Daemon:
                     "outbox": {"messages": count, "bytes": size, "dropped": self.outbox.dropped,
                                "awaiting_fleet_ack": self.outbox.awaiting_fleet(),
                                "coalesced": self.outbox.coalesced},
-                    "last_tune": self._last_tune(), "workloads": len(self.pairs)}
+                    "last_tune": self._last_tune(), "workloads": len(self.pairs),
+                    "model": self.model, "model_update": self._model_update()}
         return out
 
     def _control(self, req: dict, send: Any) -> None:

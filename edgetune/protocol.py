@@ -90,7 +90,7 @@ class TopicSpec:
 STATUS = TopicSpec("status", DEVICE_TO_FLEET, True, ("state", "session", "version", "ts"))
 INFO = TopicSpec("info", DEVICE_TO_FLEET, True,
                  ("device_id", "version", "hw", "hw_fingerprint", "fw_fingerprint", "model", "kernels", "tuning",
-                  "commands"))
+                  "commands", "model_update"))
 CONFIG_ACTIVE = TopicSpec("config/active", DEVICE_TO_FLEET, True,
                           ("tuned_at", "hw_fingerprint", "fw_fingerprint", "model_version", "kernels"))
 TUNING_RECORD = TopicSpec("tuning/record", DEVICE_TO_FLEET, False,

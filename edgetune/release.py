@@ -27,7 +27,7 @@ from typing import Any
 from edgetune.errors import BadInput
 
 MAX_MODEL_BYTES = 64 << 20  # the device budget is 5 MB; anything near this limit is a mistake or an attack
-PROMPT_FORMAT = "edgetune-prompt-v1"
+PROMPT_FORMAT = "edgetune-prompt-3"  # tuner.model.inference.PROMPT_FORMAT: what devices speak
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 KEY_ID_RE = re.compile(r"[0-9a-f]{16}")
@@ -43,6 +43,16 @@ DOWNGRADE = "downgrade"
 TOO_LARGE = "too_large"
 SIZE_MISMATCH = "size_mismatch"
 CHECKSUM = "checksum"
+WRONG_PROMPT_FORMAT = "prompt_format"  # the manifest, or the file's metadata, names another prompt format
+# the device's later steps, reported with `failed` (nothing was staged) or `rolled_back` (the health check)
+DISK_FULL = "disk_full"
+DOWNLOAD_FAILED = "download_failed"
+INTERRUPTED = "interrupted"  # the device restarted during the health check more often than it retries
+WITHDRAWN = "withdrawn"  # the fleet withdrew the release (empty retained message) before it was committed
+LOAD_FAILED = "load_failed"
+INVALID_PROPOSALS = "invalid_proposals"
+TOO_SLOW = "too_slow"
+REGRESSION = "regression"
 
 
 class ReleaseRejected(BadInput):

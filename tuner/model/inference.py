@@ -32,10 +32,25 @@ class ModelError(EdgetuneError):
     """The model file is missing, corrupt or incompatible; the message names the file."""
 
 
+class PromptFormatError(ModelError):
+    """A well-formed tuner model trained for another prompt format than this edgetune writes."""
+
+
 def default_model_path() -> Path:
+    """$EDGETUNE_MODEL, else the model the daemon committed (tuner.model.slots), else the bundled one."""
     env = os.environ.get("EDGETUNE_MODEL")
     if env:
         return Path(env)
+    from tuner.model.slots import committed_model
+
+    committed = committed_model()
+    if committed is not None:
+        return committed
+    return bundled_model_path()
+
+
+def bundled_model_path() -> Path:
+    """The model shipped in quantized_models/: the fallback a device always has."""
     found = sorted(MODEL_DIR.glob("*.Q8_0.gguf"))
     return found[0] if found else MODEL_DIR / f"{MODEL_NAME}.Q8_0.gguf"
 
@@ -167,7 +182,7 @@ def check_gguf(path: Path, *, hash_file: bool = True) -> GGUFInfo:
         raise ModelError(f"model file {path} is incompatible: architecture {meta.get('general.architecture')!r}, "
                          "not llama")
     if meta.get("edgetune.prompt_format") != PROMPT_FORMAT:
-        raise ModelError(f"model file {path} is incompatible: prompt format "
+        raise PromptFormatError(f"model file {path} is incompatible: prompt format "
                          f"{meta.get('edgetune.prompt_format')!r}, this edgetune speaks {PROMPT_FORMAT!r}")
     if "token_embd.weight" not in tensors:
         raise ModelError(f"model file {path} is incompatible: no token_embd.weight")
