@@ -49,22 +49,23 @@ def fetch(url: str, part: Path, size: int, *, timeout: float, stopping: Callable
     if have > size:  # not this release's bytes: start over
         part.unlink()
         have = 0
-    failures, wait = 0, BACKOFF_S
+    failures, wait, best = 0, BACKOFF_S, have
     while have < size:
-        before = have
         try:
             have = _get(url, part, have, size, timeout, stopping, progress)
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError) as e:
-            failures = 0 if have > before else failures + 1
-            log.warning("model download from %s stopped at %d of %d bytes (%s); attempt %d of %d", url, have, size,
-                        e, failures, RETRIES)
             have = part.stat().st_size if part.exists() else 0
+            # progress is a byte never held before: a server that always stops at the same place fails for good
+            failures = 0 if have > best else failures + 1
+            best = max(best, have)
+            log.warning("model download from %s stopped at %d of %d bytes (%s); attempt %d of %d without progress",
+                        url, have, size, e, failures, RETRIES)
             if failures >= RETRIES:
                 raise FetchFailed(DOWNLOAD_FAILED, f"{url}: {e} ({RETRIES} attempts without progress, {have} of "
                                                    f"{size} bytes kept for the next try)") from None
             if stopping(wait):
                 raise Stopped from None
-            wait = BACKOFF_S if have > before else min(wait * 2, 30.0)
+            wait = BACKOFF_S if failures == 0 else min(wait * 2, 30.0)
 
 
 def _get(url: str, part: Path, have: int, size: int, timeout: float, stopping: Callable[[float], bool],

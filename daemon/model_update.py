@@ -193,7 +193,9 @@ class Updater:
             self._report("rejected", None, rel.MALFORMED, str(e))
             return
         if release.key == self.store.get(DONE):
-            log.debug("model update: release already handled")
+            log.info("model update: release v%s of rollout %s was handled already",
+                     (release.manifest or {}).get("version") if isinstance(release.manifest, dict) else "?",
+                     release.rollout_id)
             return
         self._work(release, None)
 
@@ -280,7 +282,8 @@ class Updater:
         try:
             fetch(url, part, m.size, timeout=self.cfg.http_timeout_s, stopping=self._download_stops(release))
         except FetchFailed as e:
-            part.unlink(missing_ok=True)  # a full disk gets its space back; a bad server is not resumed from
+            if e.reason != rel.DOWNLOAD_FAILED:  # a full disk gets its space back; an oversized file is not ours
+                part.unlink(missing_ok=True)
             raise Final("failed" if e.reason != rel.TOO_LARGE else "rejected", e.reason, e.message) from None
         log.info("model update: downloaded v%d (%d bytes) from %s", m.version, m.size, url)
 

@@ -223,3 +223,197 @@ def test_a_signed_release_is_downloaded_staged_checked_and_committed(tmp_path, m
     finally:
         d.stop()
         bus.close()
+
+
+def test_prompt_format_of_the_manifest_contract_is_the_tuners():
+    assert rel.PROMPT_FORMAT == PROMPT_FORMAT
+
+
+# ---- 5: bad input is rejected with a reason on model/state, and the current model keeps running ----------------
+
+def patched(old: bytes, new: bytes) -> bytes:
+    assert BUNDLED.count(old) == 1 and len(old) == len(new)
+    return BUNDLED.replace(old, new)
+
+
+def test_bad_releases_and_bad_files_are_refused_with_a_reason_and_the_model_keeps_running(tmp_path, mosquitto,
+                                                                                         fleet_files):
+    s, stranger = signer(tmp_path), signer(tmp_path, "stranger")
+    f = fleet_files.files
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/#",))
+    d = device(tmp_path, mosquitto, fleet_files, s, max_bytes=4 << 20).start()
+    good = s.manifest(NEW, 2)
+    tampered = dict(good, version=99)
+    wrong_bytes = BUNDLED[:-32] + b"\1" * 32 + b"\0" * 32  # the right size, other bytes
+    short = BUNDLED + b"\0" * 40
+    long_ = BUNDLED + b"\0" * 48
+    truncated = BUNDLED[: len(BUNDLED) // 2]
+    other_format = patched(PROMPT_FORMAT.encode(), b"edgetune-prompt-9")
+    other_knobs = patched(b'"gemm"', b'"gemx"')
+    for data in (NEW, short, long_, truncated, other_format, other_knobs):
+        f.add(data)
+    f.serve[hashlib.sha256(NEW).hexdigest()] = wrong_bytes
+    f.serve[hashlib.sha256(short).hexdigest()] = short[:-1000]  # the server always stops short
+    f.serve[hashlib.sha256(long_).hexdigest()] = long_ + b"x" * 4096
+    cases = [  # (release payload, version it names, final state, reason)
+        (s.release(good, signature=rel.sign(dict(good, version=1), s.key)), 2, "rejected", rel.BAD_SIGNATURE),
+        (s.release(tampered, signature=rel.sign(good, s.key)), 99, "rejected", rel.BAD_SIGNATURE),  # tampered
+        (s.release(s.manifest(NEW, 3, expires_at=time.time() - 1)), 3, "rejected", rel.EXPIRED),
+        (stranger.release(stranger.manifest(NEW, 4)), 4, "rejected", rel.UNKNOWN_KEY),
+        (s.release(s.manifest(NEW, 5, target_isa=["armv9-a"])), 5, "rejected", rel.NOT_ADDRESSED),
+        (s.release(s.manifest(NEW, 6, size=5 << 20)), 6, "rejected", rel.TOO_LARGE),  # over max_bytes
+        (s.release(s.manifest(NEW, 7, prompt_format="edgetune-prompt-9")), 7, "rejected", rel.WRONG_PROMPT_FORMAT),
+        (s.release(s.manifest(NEW, 8, min_edgetune="99.0")), 8, "rejected", rel.TOO_OLD),
+        (json.dumps({"manifest": good, "signature": "x" * 70000}).encode(), None, "rejected", rel.MALFORMED),
+        (b"{not json", None, "rejected", rel.MALFORMED),
+        (s.release(s.manifest(NEW, 9)), 9, "rejected", rel.CHECKSUM),  # the server sends tampered bytes
+        (s.release(s.manifest(long_, 10)), 10, "rejected", rel.TOO_LARGE),  # it sends more than the manifest says
+        (s.release(s.manifest(short, 11)), 11, "failed", rel.DOWNLOAD_FAILED),  # it never sends it all
+        (s.release(s.manifest(truncated, 12)), 12, "rolled_back", rel.LOAD_FAILED),  # a signed truncated model
+        (s.release(s.manifest(other_format, 13)), 13, "rolled_back", rel.WRONG_PROMPT_FORMAT),
+        (s.release(s.manifest(other_knobs, 14)), 14, "rolled_back", rel.INVALID_PROPOSALS),
+    ]
+    try:
+        d.wait_status(lambda st: st["state"] == "idle", T)
+        for payload, version, want, reason in cases:
+            since = publish(bus, payload)
+            got = state(bus, lambda x: x["state"] in rel_final() and x["version"] == version
+                        and x["ts"] and x["reason"], since, f"{want} ({reason}) for v{version}")
+            assert (got["state"], got["reason"]) == (want, reason), (version, got)
+            assert got["detail"] and got["current"]["version"] is None  # still the bundled model
+            assert pointer(d)["current"] is None
+        ranges = [r for r in f.ranges if r]
+        assert ranges and all(r.startswith("bytes=") for r in ranges)  # the short server was asked to resume
+        assert not list((d.state_dir / "models" / "staging").glob("*.part"))  # nothing left behind
+        ms = model_status(d)
+        assert ms["release"] is None and ms["state"]["reason"] == rel.INVALID_PROPOSALS
+        assert "bundled; last release v14: rolled_back (invalid_proposals)" in d.cli("status").stdout
+        d.wait_status(lambda st: st["state"] == "idle")  # still working
+        assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
+    finally:
+        d.stop()
+        bus.close()
+
+
+def wait_for(pred, what: str, timeout: float = T) -> None:
+    """For what only another process's files show (the daemon's log, its .part file)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# ---- 2, 3, 5: a download that stops half-way resumes; kill -9 at any point leaves a working model and resumes ---
+
+def test_kill9_while_downloading_evaluating_or_just_after_commit_resumes_on_a_working_model(tmp_path, mosquitto,
+                                                                                           fleet_files):
+    s = signer(tmp_path)
+    f = fleet_files.files
+    v2, v3 = NEW, BUNDLED + b"\0" * 64
+    f.add(v2), f.add(v3)
+    half = len(v2) // 2
+    f.hold_after = half
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/#",))
+    d = device(tmp_path, mosquitto, fleet_files, s)
+    part = d.state_dir / "models" / "staging" / f"{hashlib.sha256(v2).hexdigest()}.part"
+    try:
+        d.start().wait_status(lambda st: st["state"] == "idle", T)
+        # kill -9 mid-download: the restart resumes from the .part with a Range request
+        since = publish(bus, s.release(s.manifest(v2, 2)))
+        assert f.held.wait(T), "the download never started"
+        wait_for(lambda: part.exists() and part.stat().st_size > 0, "bytes in the .part file")
+        d.kill9()
+        f.release.set()
+        have = part.stat().st_size
+        assert 0 < have <= half and pointer(d)["current"] is None  # still the bundled model
+        d.start()
+        done = final(bus, since, 2)
+        assert done["state"] == "committed", done
+        assert f"bytes={have}-" in f.ranges  # resumed, not started over
+        assert any(m.doc.get("detail") == f"resuming at byte {have} of {len(v2)}" for m in bus.msgs[since:]
+                   if m.topic.endswith("/model/state"))
+        assert pointer(d)["current"]["slot"] == "a"
+
+        # kill -9 during the health check: the current model (v2) stays; the restart checks again and commits
+        since = publish(bus, s.release(s.manifest(v3, 3), rollout="r2"))
+        state(bus, lambda x: x["state"] == "evaluating" and x["version"] == 3, since, "evaluating v3")
+        d.kill9()
+        assert pointer(d)["current"]["version"] == 2
+        d.start()
+        done = final(bus, since, 3)
+        assert done["state"] == "committed", done
+        evals = [m for m in bus.msgs[since:] if m.topic.endswith("/model/state") and m.doc["state"] == "evaluating"]
+        assert len({m.doc["ts"] for m in evals}) == 2  # (a reconnect republishes the last state as it was)
+        ptr = pointer(d)
+        assert (ptr["current"]["slot"], ptr["current"]["version"]) == ("b", 3)
+        assert (ptr["previous"]["slot"], ptr["previous"]["version"]) == ("a", 2)
+
+        # kill -9 just after the commit: the restart keeps v3 and does not work on the release again
+        requests = len(f.ranges)
+        d.kill9()
+        d.start()
+        wait_for(lambda: "rollout r2 was handled already" in d.log, "the restarted daemon to skip the release")
+        assert model_status(d)["release"] == 3 and len(f.ranges) == requests
+
+        # a signed rollback to v2 returns to the previous slot: no download, only a load check
+        since = publish(bus, s.release(s.manifest(v2, 2, rollback=True), rollout="r2-rollback"))
+        done = final(bus, since, 2)
+        assert done["state"] == "committed" and len(f.ranges) == requests, done
+        assert any(m.doc.get("detail") == "load check (signed rollback)" for m in bus.msgs[since:]
+                   if m.topic.endswith("/model/state"))
+        ptr = pointer(d)
+        assert (ptr["current"]["slot"], ptr["current"]["version"], ptr["previous"]["version"]) == ("a", 2, 3)
+        # an older version without the rollback flag is a downgrade
+        since = publish(bus, s.release(s.manifest(BUNDLED + b"\0" * 8, 1), rollout="r3"))
+        got = final(bus, since, 1)
+        assert (got["state"], got["reason"]) == ("rejected", rel.DOWNGRADE)
+        assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
+    finally:
+        d.stop()
+        bus.close()
+
+
+def test_a_connection_cut_half_way_resumes_where_it_stopped(tmp_path, mosquitto, fleet_files):
+    s = signer(tmp_path)
+    f = fleet_files.files
+    f.add(NEW)
+    f.cut_after = len(NEW) // 3
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/model/state",))
+    d = device(tmp_path, mosquitto, fleet_files, s).start()
+    try:
+        since = publish(bus, s.release(s.manifest(NEW, 2)))
+        done = final(bus, since, 2)
+        assert done["state"] == "committed", done
+        assert f.ranges[0] is None and f.ranges[1] == f"bytes={len(NEW) // 3}-"
+        assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
+    finally:
+        d.stop()
+        bus.close()
+
+
+def test_a_disk_that_fills_during_the_download_fails_it_and_the_device_keeps_running(tmp_path, mosquitto,
+                                                                                    fleet_files):
+    from tests.test_delivery import tmpfs
+
+    s = signer(tmp_path)
+    f = fleet_files.files
+    f.add(NEW)
+    with tmpfs(tmp_path / "fs", "16m") as fs:
+        bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/model/state",))
+        d = device(tmp_path, mosquitto, fleet_files, s, env={**os.environ, "STATE_DIRECTORY": str(fs)})
+        try:
+            d.start().wait_status(lambda st: st["state"] == "idle" and st["last_tune"] is not None, T)
+            st = os.statvfs(fs)
+            filler = fs / "filler"
+            filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 512 * 1024))  # room for half the model
+            since = publish(bus, s.release(s.manifest(NEW, 2)))
+            got = final(bus, since, 2)
+            assert (got["state"], got["reason"]) == ("failed", rel.DISK_FULL), got
+            assert pointer(d)["current"] is None and not list((fs / "models" / "staging").glob("*.part"))
+            filler.unlink()  # space again: the fleet sends the release once more (a new rollout), and it goes in
+            since = publish(bus, s.release(s.manifest(NEW, 2), rollout="r2"))
+            assert final(bus, since, 2)["state"] == "committed"
+            assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
+        finally:
+            d.stop()
+            bus.close()
