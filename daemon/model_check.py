@@ -65,7 +65,8 @@ def load(path: str) -> Any:
         raise Unhealthy(rel.LOAD_FAILED, str(e)) from None
 
 
-def propose(proposer: Any, spec: Any, space: Any, k: int, budget_ms: float, target: str) -> list[dict]:
+def propose(proposer: Any, spec: Any, space: Any, k: int, budget_ms: float, target: str) -> tuple[list[dict], float]:
+    """The model's top-k for one workload and how long proposing took (ms); Unhealthy when it cannot serve."""
     from tuner.model.inference import ModelError
 
     why = knobs_match(proposer, spec, space)
@@ -82,7 +83,7 @@ def propose(proposer: Any, spec: Any, space: Any, k: int, budget_ms: float, targ
     if res.latency_ms > budget_ms:
         raise Unhealthy(rel.TOO_SLOW, f"{target}: proposing took {res.latency_ms:.0f} ms, the budget is "
                                       f"{budget_ms:.0f} ms ([model_update] latency_budget_ms)")
-    return configs
+    return configs, res.latency_ms
 
 
 def best_per_round(rounds: Any, idx: list[int]) -> list[float | None]:
@@ -130,13 +131,14 @@ def check(req: dict) -> dict:
                 if knobs_match(cur, spec, space):  # the current model cannot propose here either: nothing to keep
                     out.append({"target": target, "skipped": "the current model does not know this kernel"})
                     continue
-                cur_configs = propose(cur, spec, space, req["top_k"], float("inf"), target)
-            new_configs = propose(cand, spec, space, req["top_k"], req["latency_budget_ms"], target)
+                cur_configs, _ = propose(cur, spec, space, req["top_k"], float("inf"), target)
+            new_configs, latency_ms = propose(cand, spec, space, req["top_k"], req["latency_budget_ms"], target)
             if cur_configs is None:
-                out.append({"target": target, "proposed": len(new_configs)})
+                out.append({"target": target, "proposed": len(new_configs), "latency_ms": latency_ms})
                 continue
             ev = Measured(spec=spec, shape=w["shape"], hw=hw, runner=runner)
-            got = compare(new_configs, cur_configs, ev, req["rounds"], seed=target) | {"target": target}
+            got = compare(new_configs, cur_configs, ev, req["rounds"], seed=target) | {"target": target,
+                                                                                      "latency_ms": latency_ms}
             out.append(got)
             if got["ratio"] is None:
                 raise Unhealthy(rel.REGRESSION, f"{target}: none of the new model's top-{req['top_k']} ran")

@@ -49,6 +49,7 @@ from tuner.model.inference import PROMPT_FORMAT, ModelError, bundled_model_path,
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 2  # health checks of one release started before a restart counts as `interrupted`
+HEALTH_BASE_S, HEALTH_PER_WORKLOAD_S = 300.0, 300.0  # a health check that takes longer has hung
 MAX_RELEASE_BYTES = 64 * 1024  # a model/release payload: a manifest and a signature
 ROOT = str(Path(__file__).resolve().parent.parent)
 JOB, DONE, STATE = "model_job", "model_done", "model_state"  # daemon.db keys
@@ -338,31 +339,39 @@ class Updater:
         better = verdict.get("better", [])
         detail = (f"retuning {len(better)} workload(s) it measured better on: {', '.join(better)}" if better else
                   "not retuning: it measured better on no workload" if compare else "rolled back to this model")
+        self._committed(better)  # the daemon names the new model (results, info) before the fleet hears of it
         self._finish(release, "committed", None, detail)
-        self._committed(better)
 
     def _health(self, req: dict) -> dict:
+        """The child's verdict; a child that crashed (a model can crash llama.cpp) or hung is a failed check."""
         env = dict(os.environ, EDGETUNE_DAEMON_PID=str(os.getpid()))
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        limit = HEALTH_BASE_S + HEALTH_PER_WORKLOAD_S * len(req["workloads"])
         with subprocess.Popen([sys.executable, "-m", "daemon.model_check"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, env=env, text=True, start_new_session=True) as child:
             with self._cond:
                 self._child = child
                 if self._stopping:
                     child.terminate()
-            child.stdin.write(json.dumps(req) + "\n")
-            child.stdin.close()
-            lines = child.stdout.read().splitlines()
-            code = child.wait()
-            with self._cond:
-                self._child = None
-                if self._stopping:
-                    raise Stopped
+            try:
+                out, _ = child.communicate(json.dumps(req) + "\n", timeout=limit)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.communicate()
+                return {"ok": False, "reason": rel.TOO_SLOW, "detail": f"the health check took over {limit:.0f} s"}
+            finally:
+                with self._cond:
+                    self._child = None
+            if self._stopping:
+                raise Stopped
         try:
-            return json.loads(lines[-1])
+            verdict = json.loads(out.splitlines()[-1])
         except (IndexError, ValueError):
             return {"ok": False, "reason": rel.LOAD_FAILED, "detail": f"the health check process exited with code "
-                                                                      f"{code} (the model crashed it?)"}
+                                                                      f"{child.returncode} (the model crashed it?)"}
+        for w in verdict.get("workloads", []):
+            log.info("model health check: %s", json.dumps(w))
+        return verdict
 
     # ---- reporting -----------------------------------------------------------------------------------------
 

@@ -417,3 +417,41 @@ def test_a_disk_that_fills_during_the_download_fails_it_and_the_device_keeps_run
         finally:
             d.stop()
             bus.close()
+
+
+# ---- 4: the top-K comparison is one interleave of both top-Ks, judged by the same-round ratio of their best -------
+
+def test_the_top_k_comparison_measures_both_models_in_the_same_rounds(hw):
+    from daemon.model_check import compare
+    from kernels.registry import get_spec
+    from kernels.space import config_key
+    from tuner.evaluate import Replay
+
+    space = get_spec("gemm").space({"M": 1, "N": 12, "K": 64}, hw)
+    configs = [c for c, _ in zip(space.enumerate(), range(4))]
+    ms = dict(zip(map(config_key, configs), (1.0, 2.0, 0.5, 4.0)))
+    ev = Replay.of_ms(space, ms)
+    same = compare(configs[:2], configs[:2], ev, 3, seed="t")
+    assert same["ratio"] == 1.0 and same["new_ms"] == same["current_ms"] == 1.0
+    better = compare(configs[2:], configs[:2], ev, 3, seed="t")  # best 0.5 ms against 1.0 ms
+    assert better["ratio"] == 0.5
+    worse = compare([configs[1], configs[3]], configs[:2], ev, 3, seed="t")
+    assert worse["ratio"] == 2.0
+    failed = compare([{**configs[0], "nope": 1}], configs[:2], ev, 3, seed="t")  # nothing of the new top-K ran
+    assert failed["ratio"] is None
+
+
+def test_a_model_that_proposes_too_slowly_is_rolled_back(tmp_path, mosquitto, fleet_files):
+    s = signer(tmp_path)
+    fleet_files.files.add(NEW)
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/model/state",))
+    d = device(tmp_path, mosquitto, fleet_files, s, latency_budget_ms=0.001).start()
+    try:
+        since = publish(bus, s.release(s.manifest(NEW, 2)))
+        got = final(bus, since, 2)
+        assert (got["state"], got["reason"]) == ("rolled_back", rel.TOO_SLOW), got
+        assert "latency_budget_ms" in got["detail"] and pointer(d)["current"] is None
+        assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
+    finally:
+        d.stop()
+        bus.close()
