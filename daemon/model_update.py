@@ -188,6 +188,10 @@ class Updater:
         if not payload:  # withdrawn: anything not yet committed stops (handled in the steps); nothing to do here
             log.info("model update: the fleet withdrew its release")
             return
+        if len(payload) > MAX_RELEASE_BYTES:
+            self._report("rejected", None, rel.TOO_LARGE, f"model/release of {len(payload)} bytes: a manifest and "
+                                                          f"its signature fit in {MAX_RELEASE_BYTES}")
+            return
         try:
             release = Release.parse(payload)
         except ProtocolError as e:

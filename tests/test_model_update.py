@@ -219,6 +219,12 @@ def test_a_signed_release_is_downloaded_staged_checked_and_committed(tmp_path, m
         assert info["model"]["sha256"] == sha
         assert retained(mosquitto, f"edgetune/v1/{DEV}/model/state")["state"] == "committed"
         assert "release v2 (slot a)" in d.cli("status").stdout
+        # the tuner loads the committed slot: a retune's record names the new file in its strategy version
+        since = len(bus.msgs)
+        d.request({"op": "retune", "force": True})
+        rec = bus.wait(lambda m: m.topic.endswith("/tuning/record"), T, "a tuning record", since=since).doc
+        assert rec["strategy"] == "llm" and rec["strategy_version"].endswith(sha[:12]), rec["strategy_version"]
+        assert rec["model"]["sha256"] == sha
         assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
     finally:
         d.stop()
@@ -264,7 +270,7 @@ def test_bad_releases_and_bad_files_are_refused_with_a_reason_and_the_model_keep
         (s.release(s.manifest(NEW, 6, size=5 << 20)), 6, "rejected", rel.TOO_LARGE),  # over max_bytes
         (s.release(s.manifest(NEW, 7, prompt_format="edgetune-prompt-9")), 7, "rejected", rel.WRONG_PROMPT_FORMAT),
         (s.release(s.manifest(NEW, 8, min_edgetune="99.0")), 8, "rejected", rel.TOO_OLD),
-        (json.dumps({"manifest": good, "signature": "x" * 70000}).encode(), None, "rejected", rel.MALFORMED),
+        (json.dumps({"manifest": good, "signature": "x" * 70000}).encode(), None, "rejected", rel.TOO_LARGE),
         (b"{not json", None, "rejected", rel.MALFORMED),
         (s.release(s.manifest(NEW, 9)), 9, "rejected", rel.CHECKSUM),  # the server sends tampered bytes
         (s.release(s.manifest(long_, 10)), 10, "rejected", rel.TOO_LARGE),  # it sends more than the manifest says
@@ -455,3 +461,21 @@ def test_a_model_that_proposes_too_slowly_is_rolled_back(tmp_path, mosquitto, fl
     finally:
         d.stop()
         bus.close()
+
+
+def test_model_update_config_problems_name_the_key_and_the_fix(tmp_path):
+    from edgetune.config import load
+
+    bad_key = tmp_path / "not-a-key.pem"
+    bad_key.write_text("hello")
+    cfg = tmp_path / "e.toml"
+    cfg.write_text(f'[model_update]\ntrusted_keys = ["{tmp_path}/missing.pem", "{bad_key}"]\n'
+                   'fleet_url = "ftp://fleet"\nmax_bytes = 999999999\ntop_k = 0\n')
+    problems = {p.key: p.message for p in load(cfg).problems}
+    assert set(problems) == {"model_update.trusted_keys", "model_update.fleet_url", "model_update.max_bytes",
+                             "model_update.top_k"}
+    assert "missing.pem" in problems["model_update.trusted_keys"]
+    assert "http://" in problems["model_update.fleet_url"]
+    good = signer(tmp_path)
+    cfg.write_text(f'[model_update]\ntrusted_keys = ["{good.pem}"]\nfleet_url = "https://fleet.example:8443"\n')
+    assert load(cfg).problems == []
