@@ -37,6 +37,7 @@ from edgetune.protocol import PAUSED, TERMINAL_STATES, Topics, encode
 from edgetune.sqlite import DBError, DBFull
 from hwprobe import probe
 from tuner.db import ResultsDB
+from tuner.model import slots
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ class Daemon:
         """False when told to stop while waiting for disk space."""
         sdnotify.notify(STATUS="starting: probing the hardware")
         self.hw = probe(measure_bandwidth=True)
+        repaired = slots.repair()  # before anything loads the committed model
+        if repaired:
+            log.error("tuner model: %s", repaired)
         self.model = model_info()
         self.pairs = self._configured()
         if not self._until_space(self._open_state):

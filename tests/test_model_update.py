@@ -392,6 +392,13 @@ def test_a_connection_cut_half_way_resumes_where_it_stopped(tmp_path, mosquitto,
         assert done["state"] == "committed", done
         assert f.ranges[0] is None and f.ranges[1] == f"bytes={len(NEW) // 3}-"
         assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
+        # the committed file damaged on disk while the daemon was down: the next start goes back to a sound model
+        slot = d.state_dir / "models" / "a" / "model.gguf"
+        slot.write_bytes(slot.read_bytes()[:-1] + b"\1")
+        d.start()
+        assert d.wait_status(lambda st: st.get("model_update") is not None)["model_update"]["release"] is None
+        assert "slot a (v2) is missing or damaged: back to the bundled model" in d.log
+        assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
     finally:
         d.stop()
         bus.close()

@@ -12,6 +12,7 @@ pointer here, below the daemon, so a tune child and a CLI run load the same mode
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -103,3 +104,28 @@ def fsync_dir(d: Path) -> None:
 
 def write_pointer(current: dict | None, previous: dict | None) -> None:
     write_atomic(models_dir() / POINTER, json.dumps({"current": current, "previous": previous}, indent=1).encode())
+
+
+def repair() -> str | None:
+    """At start: if the committed slot's file no longer matches the pointer (damaged on disk, or removed), point
+    back at the previous model when that one still matches, else the bundled one. Returns what was done, or None
+    when the pointer is sound. A rewrite of the pointer, so a model is never half-switched."""
+    ptr = read_pointer()
+    cur, prev = ptr["current"], ptr["previous"]
+    if not cur or not cur.get("slot") or _matches(cur):
+        return None
+    fallback = prev if prev and prev.get("slot") and _matches(prev) else None
+    where = f"slot {fallback['slot']} (v{fallback.get('version')})" if fallback else "the bundled model"
+    what = f"the committed model in slot {cur['slot']} (v{cur.get('version')}) is missing or damaged"
+    try:
+        write_pointer(fallback, None)
+    except OSError as e:  # a full or read-only disk: the tuner's own model check still refuses the damaged file
+        return f"{what}, and the pointer cannot be rewritten to {where}: {e}"
+    return f"{what}: back to {where}"
+
+
+def _matches(e: dict) -> bool:
+    try:
+        return hashlib.sha256(slot_model(e["slot"]).read_bytes()).hexdigest() == e.get("sha256")
+    except OSError:
+        return False
