@@ -153,14 +153,14 @@ def check(req: dict) -> dict:
 
 
 def main() -> int:
-    from daemon.tunejob import _die_with_parent
+    from daemon.tunejob import die_with_parent
     from edgetune import paths
 
     out = os.fdopen(os.dup(1), "w")  # the verdict channel; anything else printed (C libraries too) goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    _die_with_parent(int(os.environ.get("EDGETUNE_DAEMON_PID", os.getppid())))
+    die_with_parent(int(os.environ.get("EDGETUNE_DAEMON_PID", os.getppid())))
     req = json.loads(sys.stdin.readline())
     lock = open(paths.state_dir() / "tune.lock", "w")  # no tune measures while we do; held until exit
     fcntl.flock(lock, fcntl.LOCK_EX)

@@ -39,6 +39,7 @@ from daemon.model_fetch import FetchFailed, Stopped, fetch
 from daemon.store import DaemonStore
 from edgetune import __version__
 from edgetune import release as rel
+from edgetune.atomic import fsync_dir, write_atomic
 from edgetune.errors import BadInput
 from edgetune.protocol import MODEL_FINAL_STATES, MODEL_RELEASE, ProtocolError, decode
 from edgetune.release import Manifest, ReleaseRejected
@@ -266,9 +267,9 @@ class Updater:
                 slots.write_pointer(cur, None)
             d = slots.slot_dir(free)
             d.mkdir(parents=True, exist_ok=True)
-            slots.write_atomic(d / slots.RELEASE_FILE, json.dumps(release.doc()).encode())
+            write_atomic(d / slots.RELEASE_FILE, json.dumps(release.doc()).encode())
             os.replace(part, d / slots.MODEL_FILE)
-            slots.fsync_dir(d)
+            fsync_dir(d)
             job = {**job, "stage": "evaluating", "slot": free}
         self.store.set(JOB, job)
         return job

@@ -39,7 +39,7 @@ def request(spec: Any, wl: Any, *, force: bool, strategy: str, budget: int, orig
             "objective": objective, "power": asdict(power) if power else {}, "max_s": max_s}
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: a dead parent shows up as a broken stdout pipe instead
@@ -55,7 +55,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    _die_with_parent(int(os.environ.get("EDGETUNE_DAEMON_PID", os.getppid())))
+    die_with_parent(int(os.environ.get("EDGETUNE_DAEMON_PID", os.getppid())))
 
     from edgetune import paths
     from edgetune.errors import EdgetuneError

@@ -18,12 +18,12 @@ from __future__ import annotations
 import glob
 import os
 import re
-import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from edgetune.atomic import write_atomic
 from edgetune.errors import BadInput, EdgetuneError
 from kernels.registry import all_specs, get_spec
 from kernels.space import Shape
@@ -89,23 +89,13 @@ def read_workloads_file(path: str | Path) -> list[WorkloadEntry]:
 
 
 def write_workloads_file(path: str | Path, entries: Iterable[WorkloadEntry], comment: str = "") -> None:
-    """Write atomically (tmp + os.replace) so a daemon never reads half a file; refuse what we could not read back."""
+    """Write atomically so a daemon never reads half a file; refuse what we could not read back."""
     path = Path(path)
     text = dumps(entries, comment)
     _parse(text, str(path))
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        write_atomic(path, text.encode("utf-8"), mode=0o644)  # 0644: the daemon may run as another user
     except OSError as e:
-        raise EdgetuneError(f"cannot write {path}: {e.strerror}") from e
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the daemon may run as another user
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
         raise EdgetuneError(f"cannot write {path}: {e.strerror}") from e
 
 

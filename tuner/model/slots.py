@@ -15,12 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from edgetune import paths
+from edgetune.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -78,31 +77,8 @@ def committed_model() -> Path | None:
     return path
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` whole: a reader sees the old bytes or the new ones, also after a crash or power cut."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_pointer(current: dict | None, previous: dict | None) -> None:
+    models_dir().mkdir(parents=True, exist_ok=True)
     write_atomic(models_dir() / POINTER, json.dumps({"current": current, "previous": previous}, indent=1).encode())
 
 
