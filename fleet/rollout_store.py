@@ -98,7 +98,8 @@ def create_rollout(store: FleetStore, r: dict, targets: Iterable[tuple[str, int,
         for device, rank, phase in targets:
             c.execute("INSERT INTO rollout_devices (rollout_id, device_id, cohort_rank, phase) VALUES (?,?,?,?)",
                       (r["id"], device, rank, phase))
-        _event(c, r["id"], now, "published", actor, f"v{r['version']} to phases {r['phases_json']}")
+        phases = " → ".join(f"{p:g}%" for p in json.loads(r["phases_json"]))
+        _event(c, r["id"], now, "published", actor, f"v{r['version']} to phases {phases}")
 
 
 def _event(c: Any, rollout_id: str, now: float, kind: str, actor: str | None, detail: str) -> None:
