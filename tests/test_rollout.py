@@ -220,3 +220,52 @@ def test_model_and_publish_verbs_refuse_bad_input_with_the_fix(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["state"] == "aborted"
     listed = json.loads(edgetune("fleet", "rollout", "list", *base, "--json").stdout)
     assert [(x["state"], x["reason"]) for x in listed] == [("aborted", "test")]
+
+
+def test_model_build_retrains_on_the_selected_devices_records_and_registers_the_model(tmp_path):
+    pytest.importorskip("torch")
+    import gzip
+
+    from fleet.ingest import ingest
+
+    dbf = tmp_path / "fleet.db"
+    lines = gzip.open(REPO / "quantized_models/data/records.amd-epyc.jsonl.gz", "rt").readlines()
+    with open_fleet_store(dbf) as store:
+        for device, isa, recs in (("dev-big", "x86-64-v4", lines[:4]), ("dev-small", "x86-64-v2", lines[4:10])):
+            ingest(store, f"edgetune/v1/{device}/info", json.dumps({"hw": {"isa": isa, "cpu_model": "c"}}).encode())
+            for line in recs:
+                assert ingest(store, f"edgetune/v1/{device}/tuning/record", line.encode()).detail == "new"
+    out = tmp_path / "built"
+    r = edgetune("fleet", "model", "build", "--db", str(dbf), "--where", "isa=x86-64-v2", "--out", str(out),
+                 "--no-base", "--steps", "3", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    built = json.loads(r.stdout)
+    assert (built["version"], built["source"], built["records"], built["devices"]) == (2, "built", 6, 1)
+    exported = [json.loads(x) for x in (out / "fleet-records.jsonl").read_text().splitlines()]
+    assert {x["device_id"] for x in exported} == {"dev-small"} and len(exported) == 6
+    card = json.loads((out / "edgetune-tuner.card.json").read_text())
+    assert str(out / "fleet-records.jsonl") in card["dataset_files"] and card["training"]["steps"] == 3
+    with open_fleet_store(dbf) as store:
+        m = rs.model(store, 2)
+        assert m["card"]["dataset_sha256"] == card["dataset_sha256"] and m["sha256"] == card["sha256"]
+        assert rs.model_data(store, m["sha256"]) == Path(built["file"]).read_bytes()
+        assert set(m["spaces"]) == set(rs.model(store, 1)["spaces"])  # per kernel, the hash of its knob domains
+    r = edgetune("fleet", "model", "build", "--db", str(dbf), "--where", "isa=armv8-a")
+    assert r.returncode == 2 and "no device matches" in r.stderr
+
+
+def test_model_state_reports_are_stored_and_a_malformed_one_is_logged_and_skipped(tmp_path):
+    from fleet.ingest import ingest
+
+    with open_fleet_store(tmp_path / "fleet.db") as store:
+        topic = "edgetune/v1/dev-1/model/state"
+        good = {"state": "committed", "current": {"version": 2}, "previous": None, "rollout_id": "r1", "phase": "5%",
+                "version": 2, "reason": None, "detail": "ok", "ts": 10.0}
+        assert ingest(store, topic, json.dumps(good).encode(), True).kind == "model_state"
+        assert rs.model_state(store, "dev-1")["current"] == {"version": 2}
+        for bad in (b"{", json.dumps({**good, "state": "exploded"}).encode(), json.dumps([1]).encode()):
+            assert ingest(store, topic, bad).kind == "malformed"
+        assert [m["topic"] for m in store.malformed()] == [topic] * 3
+        assert "exploded" in store.malformed()[1]["error"]
+        assert ingest(store, topic, b"", True).detail == "cleared" and rs.model_state(store, "dev-1")["state"] == \
+            "committed"
