@@ -188,8 +188,8 @@ def cmd_model_publish(args: argparse.Namespace, open_store: Opener) -> int:
         r = rs.rollout(store, row["id"])
     first = sum(1 for _, _, p in cohort if p == 0)
     out = {"rollout": r["id"], "version": r["version"], "rollback_version": r["rollback_version"],
-           "phases": r["phases"], "targets": len(cohort), "first_phase": first, "expires_at": r["manifest"]["expires_at"],
-           "key_id": r["manifest"]["key_id"]}
+           "phases": r["phases"], "targets": len(cohort), "first_phase": first,
+           "expires_at": r["manifest"]["expires_at"], "key_id": r["manifest"]["key_id"]}
     emit(out, args.json, lambda d: console.print(
         f"rollout {d['rollout']}: v{d['version']} to {d['targets']} device(s) in phases "
         f"{' → '.join(f'{p:g}%' for p in d['phases'])} ({d['first_phase']} in the first); abort returns them to "

@@ -516,7 +516,8 @@ _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
     max_leaves=20)
-_field_values = st.one_of(_json, st.sampled_from(["online", "lost", "done", "accepted", "succeeded", "b1", "committed"]))
+_field_values = st.one_of(_json, st.sampled_from(["online", "lost", "done", "accepted", "succeeded", "b1",
+                                                 "committed"]))
 _contract_keys = ["state", "session", "ts", "seq", "boot_id", "kernel", "workload", "measurements", "id", "status",
                   "kernels", "hw", "progress", "record_id", "started_at", "op", "args", "expires_at", "cpu_model",
                   "rollout_id", "phase", "version"]
