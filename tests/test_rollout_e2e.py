@@ -27,7 +27,8 @@ assert BAD != BUNDLED and len(BAD) == len(BUNDLED) and PROMPT_FORMAT
 class Rig:
     """A broker, a fleet server with an operator and a viewer token and a signing key, and daemons that trust it."""
 
-    def __init__(self, tmp: Path, cache: Path, devices: list[str], fleet_url: str | None = None):
+    def __init__(self, tmp: Path, cache: Path, devices: list[str], fleet_url: str | None = None, isa: str = ""):
+        self.isa = isa  # the daemons' ISA cap (empty: the CPU's)
         self.tmp, self.cache = tmp, cache
         self.broker = Mosquitto(tmp / "broker").start()
         self.server = FleetServer(self.broker, env_for(tmp / "fleet", cache)).start()
@@ -41,7 +42,7 @@ class Rig:
 
     def _daemon(self, name: str, url: str) -> DaemonProc:
         (self.tmp / name).mkdir()
-        cfg = daemon_config(self.tmp / name, self.broker, device_id=name,
+        cfg = daemon_config(self.tmp / name, self.broker, device_id=name, isa=self.isa,
                             model_update={"trusted_keys": [str(self.pub)], "fleet_url": url, "top_k": 2,
                                           "rounds": 3})
         return DaemonProc(cfg, env=env_for(self.tmp / name, self.cache)).start()
@@ -194,7 +195,8 @@ def test_a_tampered_file_and_an_untrusted_signature_are_rejected_and_the_abort_r
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     rig = None
     try:
-        rig = Rig(tmp_path, build_cache, ["dev-t"], fleet_url=f"http://127.0.0.1:{proxy.server_address[1]}")
+        rig = Rig(tmp_path, build_cache, ["dev-t"], fleet_url=f"http://127.0.0.1:{proxy.server_address[1]}",
+                  isa="x86-64-v2")  # a smaller device of this machine's arch: the rollout selects it by class
         proxy.RequestHandlerClass.upstream = rig.server.base
         v2 = rig.add(BUNDLED + b"\0" * 32, "v2")
         # the fleet server itself serves the right bytes, with ranges (what the device resumes with)
@@ -208,7 +210,8 @@ def test_a_tampered_file_and_an_untrusted_signature_are_rejected_and_the_abort_r
         assert rig.server.get(f"/releases/{'0' * 64}").status == 404 and rig.server.get("/releases/x").status == 404
 
         # tampered on the way: the device refuses it (checksum), the abort rule aborts, the rollback returns it
-        rid = rig.publish(v2, "--phases", "100", "--min-dwell", "0")
+        assert rig.server.get("/api/v1/devices/dev-t", rig.viewer).doc["isa"] == "x86-64-v2"
+        rid = rig.publish(v2, "--phases", "100", "--min-dwell", "0", "--where", "isa=x86-64-v2")
         r = rig.rollout(rid, lambda r: r["state"] == "aborted" and r["devices"][0]["rollback_state"] == "committed",
                         "the tampered release aborted and rolled back")
         assert (r["devices"][0]["state"], r["devices"][0]["reason"]) == ("rejected", "checksum")
