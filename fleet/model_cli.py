@@ -5,7 +5,7 @@
   edgetune fleet model add FILE [--note TEXT]                    register a GGUF under the next version
   edgetune fleet model list                                      the registry (v1: the bundled model)
   edgetune fleet model publish VERSION --key FILE [--cohort 5%]  sign and start a staged rollout
-  edgetune fleet rollout list | show ID | pause ID | resume ID | abort ID
+  edgetune fleet rollout list | show ID | pause ID | resume ID | abort ID | retry ID [--device D]
 
 Publishing writes the rollout to the fleet DB; the running `edgetune fleet serve` publishes the retained
 releases, serves the file at /releases/{sha256}, advances the phases and applies the abort rule.
@@ -75,8 +75,8 @@ def register(fs: argparse._SubParsersAction, open_store: Opener, db_arg: Callabl
     q.add_argument("--target-isa", action="append", metavar="ISA",
                    help="devices of other ISAs refuse the manifest itself (repeatable; default any)")
 
-    r = fs.add_parser("rollout", help="staged rollouts: list, show, pause, resume, abort").add_subparsers(
-        dest="rollout_verb", required=True, metavar="{list,show,pause,resume,abort}")
+    r = fs.add_parser("rollout", help="staged rollouts: list, show, pause, resume, abort, retry").add_subparsers(
+        dest="rollout_verb", required=True, metavar="{list,show,pause,resume,abort,retry}")
     verb(r, "list", "rollouts, newest first", cmd_rollout_list)
     for name, help in (("show", "one rollout: phases, devices, events"), ("pause", "stop releasing further phases"),
                        ("resume", "continue a paused rollout"),
@@ -85,6 +85,10 @@ def register(fs: argparse._SubParsersAction, open_store: Opener, db_arg: Callabl
         q.add_argument("rollout", help="rollout id (see `fleet rollout list`)")
         if name != "show":
             q.add_argument("--reason", help="why (kept in the rollout's events)")
+    q = verb(r, "retry", "send the release again to devices whose download or staging failed", cmd_rollout_retry)
+    q.add_argument("rollout", help="rollout id")
+    q.add_argument("--device", "--devices", dest="devices", action="append", metavar="D[,D…]",
+                   help="only these devices (default: every failed one)")
 
 
 def _selection(q: argparse.ArgumentParser) -> None:
@@ -250,4 +254,14 @@ def cmd_rollout_action(args: argparse.Namespace, open_store: Opener) -> int:
     emit({"rollout": r["id"], "state": r["state"]}, args.json,
          lambda d: console.print(f"rollout {d['rollout']} is {d['state']}" + (
              "; `fleet serve` sends the signed rollback" if d["state"] == "aborted" else ""), highlight=False))
+    return 0
+
+
+def cmd_rollout_retry(args: argparse.Namespace, open_store: Opener) -> int:
+    named = [d.strip() for item in args.devices or [] for d in item.split(",") if d.strip()] or None
+    with open_store(args.db) as store:
+        retried = rs.retry(store, args.rollout, named, time.time(), "cli")
+    emit({"rollout": args.rollout, "retried": retried}, args.json, lambda d: console.print(
+        f"retrying {', '.join(d['retried'])}: `fleet serve` sends the release again" if d["retried"] else
+        "no device of that rollout has failed (rejected and rolled back are final)", highlight=False))
     return 0

@@ -38,6 +38,8 @@ SELECT_FIELDS = ("isa", "arch", "cpu_model", "version", "model_version", "hw_fin
 FAILED = ("rolled_back", "rejected", "failed")  # final states that count against a release
 BUCKETS = ("pending", "downloading", "verifying", "evaluating", "committed", "rolled_back", "failed")
 ROLLBACK_PHASE = "rollback"  # the `phase` of the signed rollback's model/release message
+RETRY_SEP = ":retry"  # a retried release's rollout_id: "<rollout id>:retry<attempt>"
+RETRYABLE = ("failed",)  # a verdict on the manifest, the file or the model (rejected, rolled_back) is final
 
 
 @dataclass(frozen=True)
@@ -168,13 +170,25 @@ def plan(store: FleetStore, model: dict, previous: dict, private_key: Any, polic
     return row, cohorts(rid, targets, policy.phases)
 
 
-def release_message(r: dict, rollback: bool) -> bytes:
+def wire_rollout_id(rollout_id: str, attempt: int) -> str:
+    """The `rollout_id` a release carries: a retry must differ, or the device takes it for the release it
+    finished already (docs/protocol.md)."""
+    return rollout_id if attempt == 0 else f"{rollout_id}{RETRY_SEP}{attempt}"
+
+
+def parse_rollout_id(wire_id: str) -> tuple[str, int]:
+    """(rollout id, attempt) of a `rollout_id` a device reported."""
+    base, sep, n = wire_id.rpartition(RETRY_SEP)
+    return (base, int(n)) if sep and n.isdigit() else (wire_id, 0)
+
+
+def release_message(r: dict, rollback: bool, attempt: int = 0) -> bytes:
     """The retained model/release payload for one device of rollout `r`."""
     if rollback:
         return encode({"manifest": r["rollback_manifest"], "signature": r["rollback_signature"],
                        "rollout_id": r["id"], "phase": ROLLBACK_PHASE})
-    return encode({"manifest": r["manifest"], "signature": r["signature"], "rollout_id": r["id"],
-                   "phase": phase_label(r["phases"], r["phase"])})
+    return encode({"manifest": r["manifest"], "signature": r["signature"],
+                   "rollout_id": wire_rollout_id(r["id"], attempt), "phase": phase_label(r["phases"], r["phase"])})
 
 
 def release_topic(device: str) -> str:

@@ -93,8 +93,8 @@ class RolloutController(Handler):
                 (t["phase"] <= r["phase"] and t["sent_at"] is None)
             if not due:
                 continue
-            self.client.publish_wait(release_topic(t["device_id"]), release_message(r, rollback), PUBLISH_TIMEOUT_S,
-                                     retain=True)
+            self.client.publish_wait(release_topic(t["device_id"]), release_message(r, rollback, t["attempt"]),
+                                     PUBLISH_TIMEOUT_S, retain=True)
             rs.mark_sent(self.store, r["id"], t["device_id"], time.time(), rollback=rollback)
             log.info("rollout %s: sent %s v%d to %s", r["id"], "the rollback to" if rollback else "release",
                      r["rollback_version"] if rollback else r["version"], t["device_id"])

@@ -19,6 +19,7 @@ import json
 from typing import Any, Iterable
 
 from edgetune.errors import BadInput
+from fleet.rollout import RETRYABLE, ROLLBACK_PHASE, parse_rollout_id
 from fleet.store import FleetStore
 
 ROLLOUT_STATES = ("active", "paused", "completed", "aborted")
@@ -187,6 +188,28 @@ def act(store: FleetStore, rollout_id: str, action: str, now: float, actor: str 
     return rollout(store, rollout_id)
 
 
+def retry(store: FleetStore, rollout_id: str, devices: list[str] | None, now: float, actor: str | None) -> list[str]:
+    """Send the release again (with the next attempt's rollout_id) to the targets whose download or staging
+    `failed` (disk full, download failed, interrupted, withdrawn), all or those in `devices`; the devices retried.
+    BadInput unless the rollout is active or paused."""
+    r = rollout(store, rollout_id)
+    if r is None:
+        raise BadInput(f"no rollout {rollout_id!r}; see `edgetune fleet rollout list`")
+    if r["state"] not in OPEN_ROLLOUT_STATES:
+        raise BadInput(f"rollout {rollout_id} is {r['state']}: only an active or paused rollout retries devices")
+    marks = ", ".join("?" for _ in RETRYABLE)
+    with store.tx() as c:
+        rows = c.execute(f"SELECT device_id FROM rollout_devices WHERE rollout_id=? AND state IN ({marks})"
+                         " ORDER BY cohort_rank", (rollout_id, *RETRYABLE)).fetchall()
+        chosen = [x[0] for x in rows if devices is None or x[0] in devices]
+        for d in chosen:
+            c.execute("UPDATE rollout_devices SET attempt=attempt+1, sent_at=NULL, state=NULL, reason=NULL,"
+                      " detail=NULL, ts=NULL WHERE rollout_id=? AND device_id=?", (rollout_id, d))
+        if chosen:
+            _event(c, rollout_id, now, "retried", actor, ", ".join(chosen))
+    return chosen
+
+
 def advance(store: FleetStore, rollout_id: str, from_phase: int, now: float, detail: str) -> bool:
     """Release the next phase, if the rollout is still active at `from_phase`."""
     with store.tx() as c:
@@ -222,11 +245,13 @@ def put_model_state(store: FleetStore, device: str, doc: dict, fields: dict, now
                    json.dumps(doc, sort_keys=True), now))
         if not f["rollout_id"]:
             return False
-        p = "rollback_" if f["phase"] == "rollback" else ""
+        rollout_id, attempt = parse_rollout_id(f["rollout_id"])
+        p = "rollback_" if f["phase"] == ROLLBACK_PHASE else ""
+        which = "" if p else f" AND attempt={attempt:d}"  # a report on an attempt that was retried since is old
         newer = "" if f["ts"] is None else f" AND ({p}ts IS NULL OR {p}ts <= ?)"
         n = c.execute(f"UPDATE rollout_devices SET {p}state=?, {p}reason=?, {p}detail=?, {p}ts=? WHERE rollout_id=?"
-                      f" AND device_id=?{newer}", (f["state"], f["reason"], f["detail"], f["ts"], f["rollout_id"],
-                                                   device, *([] if f["ts"] is None else [f["ts"]]))).rowcount
+                      f" AND device_id=?{which}{newer}", (f["state"], f["reason"], f["detail"], f["ts"], rollout_id,
+                                                          device, *([] if f["ts"] is None else [f["ts"]]))).rowcount
     return bool(n)
 
 

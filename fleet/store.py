@@ -141,6 +141,7 @@ MIGRATIONS: list[str] = [
         rollout_id TEXT NOT NULL, device_id TEXT NOT NULL,
         cohort_rank INTEGER NOT NULL,            -- order by sha256(rollout id, device id): the cohort draw
         phase INTEGER NOT NULL,                  -- the first phase that includes it
+        attempt INTEGER NOT NULL DEFAULT 0,      -- retries of a failed download: rollout_id "<id>:retry<n>"
         sent_at REAL, state TEXT, reason TEXT, detail TEXT, ts REAL,   -- ts: the device's, of its newest report
         rollback_sent_at REAL, rollback_state TEXT, rollback_reason TEXT, rollback_detail TEXT, rollback_ts REAL,
         PRIMARY KEY (rollout_id, device_id)

@@ -142,6 +142,19 @@ def test_registry_rollouts_reports_and_state_changes_on_sqlite_and_postgresql(db
         assert rs.model_state(store, first)["state"] == "downloading"  # the stored document is the newest by ts
         summary = rollout_summary(r, rs.targets(store, r["id"]))
         assert summary["phases"][0]["counts"]["committed"] == 1 and summary["totals"]["pending"] == 2
+        assert rollout_summary(r, rs.targets(store, r["id"]))["phases"][1]["released"] is False
+
+        # a failed download is retried under the next attempt's rollout_id; a report on the old attempt is stale
+        second = next(d for d, _, p in cohort if p == 1)
+        rs.advance(store, r["id"], 0, time.time(), "test")
+        assert rs.put_model_state(store, second, doc, {**fields, "state": "failed", "reason": "disk_full"}, 0.0)
+        assert rs.retry(store, r["id"], None, time.time(), "op") == [second]
+        assert rs.retry(store, r["id"], None, time.time(), "op") == []  # nothing failed any more
+        assert not rs.put_model_state(store, second, doc, {**fields, "state": "failed", "ts": 300.0}, 0.0)
+        assert rs.put_model_state(store, second, doc, {**fields, "rollout_id": r["id"] + ":retry1",
+                                                       "state": "committed", "ts": 300.0}, 0.0)
+        t = {x["device_id"]: x for x in rs.targets(store, r["id"])}[second]
+        assert (t["attempt"], t["state"], t["sent_at"]) == (1, "committed", None)
 
         now = time.time()
         assert rs.act(store, r["id"], "pause", now, "op", "looking")["state"] == "paused"
@@ -155,7 +168,8 @@ def test_registry_rollouts_reports_and_state_changes_on_sqlite_and_postgresql(db
         assert [x["id"] for x in rs.pending_rollbacks(store)] == [r["id"]]
         rs.mark_sent(store, r["id"], first, now, rollback=True)
         assert rs.pending_rollbacks(store) == [] and rs.baseline_version(store) == 1
-        assert [e["kind"] for e in rs.events(store, r["id"])] == ["published", "paused", "active", "aborted"]
+        assert [e["kind"] for e in rs.events(store, r["id"])] == ["published", "advanced", "retried", "paused",
+                                                                  "active", "aborted"]
 
 
 # ---- the verbs ----------------------------------------------------------------------------------------------------

@@ -162,15 +162,19 @@ def test_a_staged_rollout_commits_the_first_cohort_advances_completes_and_a_bad_
 
 
 class Tamper(http.server.BaseHTTPRequestHandler):
-    """A man in the middle between the devices and the fleet server: forwards each request (Range included) and
-    flips one byte of every model it passes on."""
+    """A man in the middle between the devices and the fleet server: forwards each request (Range included) and,
+    by `mode`, flips one byte of every model it passes on (tamper), answers 404 (missing) or passes it (pass)."""
 
     upstream: str
+    mode = "tamper"
 
     def log_message(self, *a) -> None:
         pass
 
     def do_GET(self) -> None:
+        if self.mode == "missing":
+            self.send_error(404)
+            return
         req = urllib.request.Request(self.upstream + self.path,
                                      headers={k: v for k, v in self.headers.items() if k.lower() == "range"})
         try:
@@ -178,7 +182,7 @@ class Tamper(http.server.BaseHTTPRequestHandler):
                 status, headers, body = up.status, up.headers, up.read()
         except urllib.error.HTTPError as e:
             status, headers, body = e.code, e.headers, e.read()
-        if body:
+        if body and self.mode == "tamper":
             body = bytes([body[0] ^ 1]) + body[1:]
         self.send_response(status)
         for k in ("Content-Range", "Content-Type"):
@@ -189,8 +193,8 @@ class Tamper(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def test_a_tampered_file_and_an_untrusted_signature_are_rejected_and_the_abort_rule_sees_them(tmp_path,
-                                                                                              build_cache):
+def test_a_tampered_file_or_untrusted_key_trips_the_abort_rule_and_a_failed_download_is_retried(tmp_path,
+                                                                                                    build_cache):
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("T", (Tamper,), {"upstream": ""}))
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     rig = None
@@ -228,6 +232,23 @@ def test_a_tampered_file_and_an_untrusted_signature_are_rejected_and_the_abort_r
         assert (t["state"], t["reason"]) == ("rejected", "unknown_key")
         assert (t["rollback_state"], t["rollback_reason"]) == ("rejected", "unknown_key")  # it signed that too
         assert rig.pointer("dev-t")["current"] is None
+
+        # a download that fails for good (the server keeps answering 404) is `failed`; once the fault is gone the
+        # operator retries it: the release goes again under another rollout_id and the device commits it
+        proxy.RequestHandlerClass.mode = "missing"
+        rid = rig.publish(v2, "--phases", "100", "--min-dwell", "0", "--abort-above", "100%")
+        r = rig.rollout(rid, lambda r: r["devices"][0]["state"] == "failed", "the download failing")
+        assert r["devices"][0]["reason"] == "download_failed" and r["state"] == "active"
+        proxy.RequestHandlerClass.mode = "pass"
+        path = f"/api/v1/rollouts/{rid}/retry"
+        assert rig.server.post_json(path, {}, rig.viewer).status == 403
+        assert rig.server.post_json(path, {"devices": "dev-t"}, rig.op).status == 400
+        assert rig.server.post_json(path, {}, rig.op).doc["retried"] == ["dev-t"]
+        r = rig.rollout(rid, lambda r: r["state"] == "completed", "the retried release committing")
+        t = r["devices"][0]
+        assert (t["state"], t["attempt"]) == ("committed", 1) and r["events"][1]["kind"] == "retried"
+        assert rig.pointer("dev-t")["current"]["rollout_id"] == f"{rid}:retry1"
+        assert rig.server.post_json(path, {}, rig.op).status == 409  # completed: nothing to retry
         rig.clean_exit()
     finally:
         if rig:

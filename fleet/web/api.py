@@ -17,7 +17,7 @@ from edgetune import __version__
 from edgetune.errors import BadInput, EdgetuneError
 from fleet.web import views
 from fleet import rollout_store as rs
-from fleet.web.actions import retune_request, rollout_reason, send_retunes
+from fleet.web.actions import retry_devices, retune_request, rollout_reason, send_retunes
 from fleet.web.app import Handler, api_error, fleet_of, guarded
 from fleet.web.auth import COOKIE, CSRF_HEADER, Principal
 from fleet.web.views import BadQuery
@@ -173,6 +173,20 @@ async def abort_rollout(request: Request, p: Principal) -> Response:
     return await _rollout_action(request, p, "abort")
 
 
+async def retry_rollout(request: Request, p: Principal) -> Response:
+    rid = request.path_params["rollout"]
+    try:
+        devices = retry_devices(await _body(request) if await request.body() else {})
+        if await fleet_of(request).read(rs.rollout, rid) is None:
+            return api_error(404, f"no rollout {rid!r}; nothing changed")
+        retried = await fleet_of(request).read(rs.retry, rid, devices, time.time(), p.name)
+    except BadQuery as e:
+        return api_error(400, str(e))
+    except BadInput as e:
+        return api_error(409, str(e))
+    return _json({"retried": retried, "rollout": await fleet_of(request).read(views.rollout, rid)})
+
+
 async def openapi(request: Request, p: Principal) -> Response:
     return JSONResponse(schema())
 
@@ -230,6 +244,11 @@ API: list[ApiRoute] = [
     ApiRoute("/rollouts/{rollout}/abort", "POST", "operator", abort_rollout, "stop the rollout and send the signed "
              "rollback to every device that was sent the release", body=ROLLOUT_ACTION_BODY,
              responses=ROLLOUT_ACTION_RESPONSES),
+    ApiRoute("/rollouts/{rollout}/retry", "POST", "operator", retry_rollout, "send the release again (under the "
+             "next attempt's rollout_id) to the devices whose download or staging failed: all, or `devices`",
+             body={"type": "object", "additionalProperties": False, "properties": {"devices": _NAMES}},
+             responses={"200": "the devices retried (none: nothing had failed) and the rollout",
+                        "400": "bad body", "404": "no such rollout", "409": "the rollout is completed or aborted"}),
     ApiRoute("/speedups", "GET", "viewer", speedups, "per kernel/workload, the speedups across devices"),
     ApiRoute("/me", "GET", "viewer", me, "who the credentials belong to"),
     ApiRoute("/openapi.json", "GET", None, openapi, "this schema"),

@@ -100,6 +100,15 @@ async def _rollout_action(request: Request, p: Principal, action: str) -> Respon
     return RedirectResponse(f"/rollouts/{urllib.parse.quote(rid, safe='')}", 303)
 
 
+async def retry_rollout(request: Request, p: Principal) -> Response:
+    rid = request.path_params["rollout"]
+    try:
+        await fleet_of(request).read(rs.retry, rid, None, time.time(), p.name)
+    except BadInput as e:
+        return page_error(request, p, 409, str(e))
+    return RedirectResponse(f"/rollouts/{urllib.parse.quote(rid, safe='')}", 303)
+
+
 async def pause_rollout(request: Request, p: Principal) -> Response:
     return await _rollout_action(request, p, "pause")
 
@@ -154,6 +163,7 @@ def routes() -> list[Route]:
         Route("/rollouts/{rollout}/pause", page("operator", pause_rollout), methods=["POST"]),
         Route("/rollouts/{rollout}/resume", page("operator", resume_rollout), methods=["POST"]),
         Route("/rollouts/{rollout}/abort", page("operator", abort_rollout), methods=["POST"]),
+        Route("/rollouts/{rollout}/retry", page("operator", retry_rollout), methods=["POST"]),
         Route("/login", page(None, login_form)),
         Route("/login", page(None, login), methods=["POST"]),
         Route("/logout", page(None, logout), methods=["POST"]),
