@@ -104,7 +104,7 @@ def test_registry_rollouts_reports_and_state_changes_on_sqlite_and_postgresql(db
     signer = load_private_key(key.private)
     with open_fleet_store(db) as store:
         assert store.schema_version == 3
-        ids = seed_devices(store, 6)
+        seed_devices(store, 6)
         v1 = registry.ensure_bundled(store)
         assert (v1["version"], v1["source"], v1["sha256"]) == (1, "bundled", hashlib.sha256(BUNDLED).hexdigest())
         v2 = registry.add(store, model_file(tmp_path, 8), note="padded")

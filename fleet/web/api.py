@@ -18,7 +18,7 @@ from edgetune.errors import BadInput, EdgetuneError
 from fleet.web import views
 from fleet import rollout_store as rs
 from fleet.web.actions import retry_devices, retune_request, rollout_reason, send_retunes
-from fleet.web.app import Handler, api_error, fleet_of, guarded
+from fleet.web.app import Handler, api_error, fleet_of, guarded, with_arg
 from fleet.web.auth import COOKIE, CSRF_HEADER, Principal
 from fleet.web.views import BadQuery
 
@@ -161,16 +161,8 @@ async def _rollout_action(request: Request, p: Principal, action: str) -> Respon
     return _json(await fleet_of(request).read(views.rollout, rid))
 
 
-async def pause_rollout(request: Request, p: Principal) -> Response:
-    return await _rollout_action(request, p, "pause")
-
-
-async def resume_rollout(request: Request, p: Principal) -> Response:
-    return await _rollout_action(request, p, "resume")
-
-
-async def abort_rollout(request: Request, p: Principal) -> Response:
-    return await _rollout_action(request, p, "abort")
+pause_rollout, resume_rollout, abort_rollout = (with_arg(_rollout_action, a, f"{a}_rollout")
+                                                for a in ("pause", "resume", "abort"))
 
 
 async def retry_rollout(request: Request, p: Principal) -> Response:

@@ -15,7 +15,7 @@ from fleet import rollout_store as rs
 from fleet.rollout import BUCKETS
 from fleet.web import views
 from fleet.web.actions import form_body, retune_request, rollout_reason, send_retunes
-from fleet.web.app import fleet_of, guarded, page_error, render
+from fleet.web.app import fleet_of, guarded, page_error, render, with_arg
 from fleet.web.auth import Principal
 
 
@@ -109,16 +109,8 @@ async def retry_rollout(request: Request, p: Principal) -> Response:
     return RedirectResponse(f"/rollouts/{urllib.parse.quote(rid, safe='')}", 303)
 
 
-async def pause_rollout(request: Request, p: Principal) -> Response:
-    return await _rollout_action(request, p, "pause")
-
-
-async def resume_rollout(request: Request, p: Principal) -> Response:
-    return await _rollout_action(request, p, "resume")
-
-
-async def abort_rollout(request: Request, p: Principal) -> Response:
-    return await _rollout_action(request, p, "abort")
+pause_rollout, resume_rollout, abort_rollout = (with_arg(_rollout_action, a, f"{a}_rollout")
+                                                for a in ("pause", "resume", "abort"))
 
 
 def _local(target: str | None) -> str:
