@@ -254,7 +254,7 @@ def _model_state(store: FleetStore, device: str, sub: str, payload: bytes, retai
     fields = {"state": state, "rollout_id": _ident(obj.get("rollout_id")), "phase": _text(obj.get("phase"), 50),
               "version": _int(obj.get("version")), "reason": _text(obj.get("reason"), 100),
               "detail": _text(obj.get("detail"), 2000), "ts": _num(obj.get("ts"))}
-    moved = rollout_store.put_model_state(store, device, obj, fields, now)
+    moved = rollout_store.put_model_state(store, device, obj, fields, now, _seen(fields["ts"], retained, now))
     return Outcome("model_state", device, "rollout" if moved else "stored")
 
 

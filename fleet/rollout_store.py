@@ -228,13 +228,14 @@ def mark_sent(store: FleetStore, rollout_id: str, device: str, now: float, rollb
 
 # ---- device reports ----------------------------------------------------------------------------------------------
 
-def put_model_state(store: FleetStore, device: str, doc: dict, fields: dict, now: float) -> bool:
+def put_model_state(store: FleetStore, device: str, doc: dict, fields: dict, now: float,
+                    seen: float | None = None) -> bool:
     """Keep a device's model/state report; returns whether it moved the device on in a rollout it targets.
     `fields` holds the validated state, rollout_id, phase, version, reason, detail and ts. A report older than
     the stored one (by the device's ts) changes nothing: the retained copy comes again on every reconnect."""
     f = fields
     with store.tx() as c:
-        store._touch(c, device, now, f["ts"])
+        store._touch(c, device, now, seen)  # the device row first, as every fleet DB write (fleet.store)
         c.execute("INSERT INTO model_states (device_id, state, rollout_id, phase, version, reason, detail, ts,"
                   " doc_json, received_at) VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT(device_id) DO UPDATE SET"
                   " state=excluded.state, rollout_id=excluded.rollout_id, phase=excluded.phase,"

@@ -138,4 +138,8 @@ def test_operator_pauses_resumes_and_aborts_from_the_page_and_a_viewer_cannot(ri
     page.screenshot(path=str(ARTIFACTS / "rollout-aborted.png"), full_page=True)
     page.goto(f"{server.base}/rollouts")
     assert page.locator(f"tr[data-rollout='{rid}'] .badge").text_content() == "aborted"
+    page.goto(f"{server.base}/devices/{first[1]}")  # the device page names its last release and links the rollout
+    assert "v2" in page.text_content("#model-state") and "rejected checksum" in page.text_content("#model-state")
+    page.click(f"#model-state a:text-is('{rid}')")
+    assert page.text_content("#rollout-state") == "aborted"
     assert not problems

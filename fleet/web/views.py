@@ -69,7 +69,8 @@ def device_detail(store: FleetStore, lim: Limits, device: str) -> dict | None:
     info = (store.device(device) or {}).get("info") or {}
     hw = next((info[k] for k in ("hw", "hardware", "descriptor") if isinstance(info.get(k), dict)), {})
     return {**summary, "descriptor": hw, "info": info, "active": store.active_config_rows(device),
-            "status_history": store.status_history(device)[-50:][::-1], "commands": commands(store, device)}
+            "status_history": store.status_history(device)[-50:][::-1], "commands": commands(store, device),
+            "model_state": rs.model_state(store, device)}
 
 
 def commands(store: FleetStore, device: str) -> list[dict]:
