@@ -73,7 +73,8 @@ def register(fs: argparse._SubParsersAction, open_store: Opener, db_arg: Callabl
                    help="apply the abort rule once at least N devices reported a final state (default 1)")
     q.add_argument("--expires-in", default="30d", help="the signed release's lifetime (default 30d)")
     q.add_argument("--target-isa", action="append", metavar="ISA",
-                   help="devices of other ISAs refuse the manifest itself (repeatable; default any)")
+                   help="devices of other ISAs refuse the manifest itself (repeatable; default: the --where isa, "
+                        "else any)")
 
     r = fs.add_parser("rollout", help="staged rollouts: list, show, pause, resume, abort, retry").add_subparsers(
         dest="rollout_verb", required=True, metavar="{list,show,pause,resume,abort,retry}")
@@ -186,8 +187,9 @@ def cmd_model_publish(args: argparse.Namespace, open_store: Opener) -> int:
                            "devices refuse a downgrade (an abort sends the signed rollback)")
         devices, selector = _devices(args, store)
         targets = devices if devices is not None else select_devices(store, None, {})
-        row, cohort = plan(store, model, previous, key, policy, targets, expires_at=now + lifetime,
-                           target_isa=args.target_isa, selector=selector, now=now)
+        target_isa = args.target_isa or ([selector["where"]["isa"]] if "isa" in selector["where"] else None)
+        row, cohort = plan(model, previous, key, policy, targets, expires_at=now + lifetime, target_isa=target_isa,
+                           selector=selector, now=now)
         rs.create_rollout(store, row, cohort, now, "cli")
         r = rs.rollout(store, row["id"])
     first = sum(1 for _, _, p in cohort if p == 0)

@@ -143,7 +143,7 @@ def new_rollout_id(version: int) -> str:
     return f"r{version}-{time.strftime('%Y%m%d')}-{secrets.token_hex(3)}"
 
 
-def plan(store: FleetStore, model: dict, previous: dict, private_key: Any, policy: Policy, targets: list[str], *,
+def plan(model: dict, previous: dict, private_key: Any, policy: Policy, targets: list[str], *,
          expires_at: float, min_edgetune: str = __version__, target_isa: list[str] | None = None,
          selector: dict, now: float | None = None) -> tuple[dict, list[tuple[str, int, int]]]:
     """The rollouts row (release and rollback signed now) and its cohorts; nothing is written."""

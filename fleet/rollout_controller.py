@@ -21,7 +21,7 @@ from edgetune.broker import BrokerError, BrokerSettings, Client, Handler
 from edgetune.sqlite import DBError
 from fleet import rollout_store as rs
 from fleet.mqtt import hostname
-from fleet.rollout import decide, release_message, release_topic
+from fleet.rollout import Decision, decide, release_message, release_topic
 from fleet.store import FleetStore, open_fleet_store
 
 log = logging.getLogger("fleet.rollouts")
@@ -38,7 +38,6 @@ class RolloutController(Handler):
                              name="fleet-rollouts-mqtt")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fleet-rollouts", daemon=True)
-        self.turns = 0
 
     def start(self) -> "RolloutController":
         self.client.start()
@@ -61,7 +60,6 @@ class RolloutController(Handler):
                 log.warning("rollouts: %s; trying again in %.0f s", e, self.interval_s)
             except Exception:
                 log.exception("rollouts: unexpected error; trying again")
-            self.turns += 1
 
     def turn(self, now: float) -> None:
         for r in rs.rollouts(self.store, ("active", "paused")):
@@ -72,7 +70,7 @@ class RolloutController(Handler):
         for r in rs.rollouts(self.store, ("active",)) + rs.pending_rollbacks(self.store):
             self._publish(r)
 
-    def _apply(self, r: dict, d, now: float) -> None:
+    def _apply(self, r: dict, d: Decision, now: float) -> None:
         if d.action == "abort":
             if rs.set_state(self.store, r["id"], ("active", "paused"), "aborted", now, "abort rule", d.detail):
                 log.warning("rollout %s aborted: %s; publishing the signed rollback to v%d", r["id"], d.detail,

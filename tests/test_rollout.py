@@ -119,7 +119,7 @@ def test_registry_rollouts_reports_and_state_changes_on_sqlite_and_postgresql(db
 
         v2_targets = select_devices(store, None, {"isa": "x86-64-v2"})
         assert v2_targets == ["dev-1", "dev-3", "dev-5"]
-        row, cohort = plan(store, v2, v1, signer, Policy((34.0, 100.0), 0.0, 100.0, 0.0, 1), v2_targets,
+        row, cohort = plan(v2, v1, signer, Policy((34.0, 100.0), 0.0, 100.0, 0.0, 1), v2_targets,
                            expires_at=time.time() + 60, selector={"where": {"isa": "x86-64-v2"}})
         rs.create_rollout(store, row, cohort, time.time(), "test")
         r = rs.rollout(store, row["id"])

@@ -219,6 +219,7 @@ def test_a_tampered_file_or_untrusted_key_trips_the_abort_rule_and_a_failed_down
         r = rig.rollout(rid, lambda r: r["state"] == "aborted" and r["devices"][0]["rollback_state"] == "committed",
                         "the tampered release aborted and rolled back")
         assert (r["devices"][0]["state"], r["devices"][0]["reason"]) == ("rejected", "checksum")
+        assert r["manifest"]["target_isa"] == ["x86-64-v2"]  # the class is in the signed manifest too
         assert r["phases"][0]["reasons"] == {"rejected: checksum": 1} and "checksum x1" in r["reason"]
         assert rig.pointer("dev-t")["current"] is None
 
