@@ -111,6 +111,52 @@ MIGRATIONS: list[str] = [
     CREATE INDEX telemetry_received ON telemetry(received_at);
     CREATE INDEX telemetry_device ON telemetry(device_id, id)
     """,
+    # v3: tuner-model releases and their staged rollouts (queries in fleet.rollout_store)
+    """
+    CREATE TABLE models (                        -- tuner models the fleet can release, versions monotonic
+        id INTEGER PRIMARY KEY,
+        version INTEGER NOT NULL UNIQUE,         -- the release version devices compare (1: the bundled model)
+        name TEXT NOT NULL, sha256 TEXT NOT NULL UNIQUE, size INTEGER NOT NULL,
+        model_version TEXT,                      -- the GGUF's own version string
+        prompt_format TEXT NOT NULL, spaces_json TEXT NOT NULL, card_json TEXT,
+        source TEXT NOT NULL,                    -- bundled | added | built
+        note TEXT, data BLOB NOT NULL, created_at REAL NOT NULL
+    );
+    CREATE TABLE rollouts (
+        id TEXT PRIMARY KEY,
+        version INTEGER NOT NULL,                -- the model released
+        rollback_version INTEGER NOT NULL,       -- the model an abort returns the devices to
+        state TEXT NOT NULL,                     -- active | paused | completed | aborted
+        phases_json TEXT NOT NULL,               -- cumulative shares of the targets, e.g. [5, 25, 100]
+        phase INTEGER NOT NULL,                  -- index into phases of the phase now released
+        phase_started_at REAL NOT NULL,
+        min_dwell_s REAL NOT NULL, advance_pct REAL NOT NULL, abort_pct REAL NOT NULL, abort_min INTEGER NOT NULL,
+        selector_json TEXT NOT NULL,             -- how the targets were chosen
+        manifest_json TEXT NOT NULL, signature TEXT NOT NULL,
+        rollback_manifest_json TEXT NOT NULL, rollback_signature TEXT NOT NULL,   -- signed at publish time
+        reason TEXT,                             -- why it was paused or aborted
+        created_at REAL NOT NULL, updated_at REAL NOT NULL, ended_at REAL
+    );
+    CREATE TABLE rollout_devices (               -- each target device's cohort and where it is with the release
+        rollout_id TEXT NOT NULL, device_id TEXT NOT NULL,
+        cohort_rank INTEGER NOT NULL,            -- order by sha256(rollout id, device id): the cohort draw
+        phase INTEGER NOT NULL,                  -- the first phase that includes it
+        attempt INTEGER NOT NULL DEFAULT 0,      -- retries of a failed download: rollout_id "<id>:retry<n>"
+        sent_at REAL, state TEXT, reason TEXT, detail TEXT, ts REAL,   -- ts: the device's, of its newest report
+        rollback_sent_at REAL, rollback_state TEXT, rollback_reason TEXT, rollback_detail TEXT, rollback_ts REAL,
+        PRIMARY KEY (rollout_id, device_id)
+    );
+    CREATE TABLE rollout_events (                -- what happened to a rollout, for the page and the audit
+        id INTEGER PRIMARY KEY,
+        rollout_id TEXT NOT NULL, ts REAL NOT NULL, kind TEXT NOT NULL, actor TEXT, detail TEXT
+    );
+    CREATE INDEX rollout_events_rollout ON rollout_events(rollout_id, id);
+    CREATE TABLE model_states (                  -- each device's newest model/state document
+        device_id TEXT PRIMARY KEY,
+        state TEXT, rollout_id TEXT, phase TEXT, version INTEGER, reason TEXT, detail TEXT, ts REAL,
+        doc_json TEXT NOT NULL, received_at REAL NOT NULL
+    )
+    """,
 ]
 FIX = "move it aside (rename it) or pass --db with another path"
 PRUNE_BATCH = 5000  # telemetry rows deleted per transaction, so a prune never holds the writers up for long
