@@ -1,5 +1,9 @@
 """Compare tuners side by side on the tuner model's held-out cases: `python bench/compare_tuners.py`.
 
+`--real-layers` runs the comparison that the tuner's targets are judged by instead: held-out real model layers,
+tuned for real on this machine and measured side by side with a long search's best (bench/tuners_real.py, whose
+flags it takes).
+
 Replay (eval counts): every held-out case of the committed dataset (quantized_models/data/runs.jsonl.gz) has a
 reference table: every config measured on it (the seeded sample, the defaults and an annealing refinement),
 whose best is the case's best-known. Each strategy tunes each case over that table as its universe (as Kernel
@@ -488,6 +492,10 @@ def print_table(summ: list[dict], budget: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--real-layers" in (sys.argv[1:] if argv is None else argv):
+        import tuners_real
+
+        return tuners_real.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=str(D.DEFAULT_DATA))
     ap.add_argument("--model", help="GGUF (default: the bundled model)")

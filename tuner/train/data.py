@@ -132,12 +132,33 @@ def load_collector(path: Path, cases: dict | None = None) -> dict[tuple, Case]:
     return cases
 
 
+_REAL_HELDOUT: set | None = None
+
+
+def is_real_heldout(kernel: str, shape: dict) -> bool:
+    """Whether (kernel, shape) is one of bench/real_layers.toml's held-out real layers, on any ISA or device."""
+    global _REAL_HELDOUT
+    if _REAL_HELDOUT is None:
+        from tuner.train.arch_layers import heldout_keys
+
+        _REAL_HELDOUT = heldout_keys()
+    try:
+        from tuner.train.arch_layers import shape_id
+
+        return shape_id(kernel, shape) in _REAL_HELDOUT
+    except (KeyError, TypeError):  # a kernel or dim this edgetune does not know is no held-out layer
+        return False
+
+
 def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: str, split: str, hw: dict,
                     cfg: dict, ok: bool, ms: float | None, phase: str = "", leaders: str | None = None) -> None:
     """Add one journal row. A confirmation row of other leaders than the case's current ones starts over: a case's
     leaders only change by more rows joining them, so the later confirmation is of the current leaders, and rounds
-    hours apart are not comparable."""
+    hours apart are not comparable. A held-out real layer (`is_real_heldout`) never becomes a case: a device's
+    records of one (the bench tunes them) must not leak into training."""
     key = case_key(kernel, isa, shape, hw)
+    if key not in cases and is_real_heldout(kernel, shape):
+        return
     c = cases.get(key)
     if c is None:
         c = cases[key] = Case(kernel, isa, dict(shape), workload, split, hw)
