@@ -2,6 +2,8 @@
 
 - `OptunaTPE`: Optuna's TPE sampler over the knobs as categoricals (its own ask/tell). A suggestion that breaks a
   constraint is told as failed and suggested again (no evaluation spent); one already measured is told its value.
+  When TPE keeps suggesting measured configs (it has converged on a small space), a random unmeasured valid config
+  is enqueued for it, so it spends its budget as a user running it to a budget would.
 - `KernelTunerStrategy`: one of Kernel Tuner's strategies (genetic_algorithm, bayes_opt, ...) over the space's
   valid configs, population sizes scaled to the budget. Kernel Tuner drives its own loop and calls a runner, so it runs in a thread whose runner hands
   each batch to `ask` and waits for the `tell`s; `close` (or the end of the budget) stops it.
@@ -42,9 +44,17 @@ class OptunaTPE(Strategy):
         from optuna.trial import TrialState
 
         out: list[Config] = []
+        stalled = 0
         for _ in range(200 * n):
             if len(out) >= n:
                 break
+            if stalled >= 50:
+                fresh = self.space.sample(1, self.rng, exclude=self.seen | set(self.pending))
+                if not fresh:
+                    break
+                self.study.enqueue_trial(fresh[0])
+                stalled = 0
+            stalled += 1
             t = self.study.ask()
             cfg = {p.name: t.suggest_categorical(p.name, list(p.values)) for p in self.space.params}
             k = config_key(cfg)
@@ -55,6 +65,7 @@ class OptunaTPE(Strategy):
             else:
                 self.pending[k] = t
                 out.append(cfg)
+                stalled = 0
         return out
 
     def tell(self, cfg: Config, m: Measurement) -> None:

@@ -3,7 +3,8 @@
 For every layer of bench/real_layers.toml (shapes the tuner model never trained on; tests/test_real_layers.py):
 
 1. Reference: the winner of a long search on this machine (`--ref-evals` evaluations of `anneal` through the real
-   Session), cached per machine, ISA, kernel source and shape in `--refs` (a new kernel or host searches again).
+   Session), cached per machine, ISA, kernel source and shape in `--refs` (a new kernel or host searches again);
+   a run that measures something clearly faster makes that the reference of later runs.
 2. Every strategy tunes the layer from a cold build cache through the real Session (compile, worker, finalists),
    with a budget of the largest of `--budgets` and no patience stop: `llm`, `anneal`, `random`, Optuna TPE and
    Kernel Tuner (bench/peer_tuners.py). A strategy may stop early (llm does when it has converged).
@@ -39,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from edgetune import paths  # noqa: E402
+from edgetune.atomic import write_atomic  # noqa: E402
+from kernels.measure import TIE_THRESHOLD  # noqa: E402
 from kernels.space import Config, config_key  # noqa: E402
 from kernels.spec import KernelSpec, Workload  # noqa: E402
 
@@ -97,12 +100,26 @@ def _cold(td: Path, tag: str) -> None:
     os.environ["CACHE_DIRECTORY"] = str(td / "cold" / tag)
 
 
-def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int) -> Run:
+def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):
+    """A peer (bench/peer_tuners.py), a variant of one of ours with settings (`llm:k=5,history=0`), or None for
+    a strategy the session makes by name."""
     from peer_tuners import make_peer
 
+    from tuner.strategies import STRATEGIES
+
+    if name.startswith(PEERS):
+        return make_peer(name, space, seed, budget)
+    if ":" in name:
+        base, _, opts = name.partition(":")
+        kw = {k: float(v) if "." in v else int(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
+        return STRATEGIES[base](space, seed, kernel=spec, **kw)
+    return None
+
+
+def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int) -> Run:
     from tuner.session import Budget
 
-    strat = make_peer(name, spec.space(wl.shape, sess.hw), seed, budget) if name.startswith(PEERS) else None
+    strat = strategy_obj(name, spec, spec.space(wl.shape, sess.hw), seed, budget)
     t0 = time.time()
     try:
         res = sess.tune(spec, wl, strategy=name if strat is None else "anneal", strategy_obj=strat, seed=seed,
@@ -128,8 +145,6 @@ def reference(sess, spec: KernelSpec, wl: Workload, evals: int, refs: dict, refs
     refs[key] = {"config": run.final, "kernel": spec.name, "workload": wl.name, "evals": run.evals,
                  "seconds": round(time.time() - t0, 1), "load1": os.getloadavg()[0], "ts": time.time()}
     refs_path.parent.mkdir(parents=True, exist_ok=True)
-    from edgetune.atomic import write_atomic
-
     write_atomic(refs_path, json.dumps(refs, indent=1).encode())
     return run.final
 
@@ -157,6 +172,7 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
     got = ev.interleave([wanted[k] for k in keys], rounds, seed=seed)
     ratio = dict(zip(keys, got.ratios_to(0)))
     best = min([1.0] + [x for x in ratio.values() if x])
+    best_key = min((k for k in keys if ratio[k]), key=lambda k: ratio[k], default=keys[0])
     q = {k: (x / best if x else None) for k, x in ratio.items()}
     for r in runs:
         at = {n: min((q[config_key(c)] for c in r.finalists_at(n, default) if q.get(config_key(c))), default=None)
@@ -164,8 +180,16 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
         r.quality = {b: at.get(min(b, len(r.traj))) for b in BUDGETS if b <= budget}
         r.final_quality = q.get(config_key(r.final))
         r.evals_to = next((n for n in range(1, len(r.traj) + 1) if at.get(n) is not None and at[n] <= WITHIN), None)
-    return {"configs": len(keys), "ref_ms": got.median_ms(0), "best_over_ref": best,
+    return {"configs": len(keys), "ref_ms": got.median_ms(0), "best_over_ref": best, "best": wanted[best_key],
             "compile_s": ev.timing.get("compile_s", 0.0)}
+
+
+def improve_reference(refs: dict, key: str, info: dict, path: Path) -> None:
+    """A config measured clearly faster than the reference (beyond the 3% noise) becomes the next run's: the
+    reference is the best known on this machine, and grows with every run."""
+    if info["best_over_ref"] < 1 - TIE_THRESHOLD:
+        refs[key] |= {"config": info["best"], "improved_by": round(1 / info["best_over_ref"], 3), "ts": time.time()}
+        write_atomic(path, json.dumps(refs, indent=1).encode())
 
 
 # ---- summary ----------------------------------------------------------------------------------------------
@@ -224,7 +248,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kernels", default="", help="only these kernels (comma-separated)")
     ap.add_argument("--per-kernel", type=int, help="only the first N layers of each kernel (a quick subset)")
     ap.add_argument("--names", default="", help="only these layers (comma-separated names)")
-    ap.add_argument("--strategies", default=STRATEGIES)
+    ap.add_argument("--strategies", default=STRATEGIES,
+                    help="comma-separated; also peers (optuna-tpe, kerneltuner-<strategy>) and variants of ours with "
+                         "settings after a colon, separated by '+': llm:k=5+patience=6")
     ap.add_argument("--budget", type=int, default=max(BUDGETS), help="evaluations per session")
     ap.add_argument("--rounds", type=int, default=5, help="side-by-side rounds per layer")
     ap.add_argument("--ref-evals", type=int, default=80, help="evaluations of the reference search")
@@ -243,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.db import ResultsDB
     from tuner.session import Session
 
-    strategies = [s for s in a.strategies.split(",") if s]
+    strategies = [s.replace("+", ",") if ":" in s else s for s in a.strategies.split(",") if s]
     layers = load_layers(Path(a.layers), [k for k in a.kernels.split(",") if k], a.per_kernel,
                          [n for n in a.names.split(",") if n])
     refs_path = Path(a.refs)
@@ -271,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {s} failed on {spec.name}/{wl.name}: {type(e).__name__}: {e}", file=sys.stderr)
             os.environ["CACHE_DIRECTORY"] = str(td / "warm")
             info = judge(runner, hw, spec, wl, ref, runs, a.rounds, seed=i, budget=a.budget)
+            improve_reference(refs, ref_key(hw, spec, wl), info, refs_path)
             row = {"kernel": spec.name, "workload": wl.name, "shape": wl.shape, "reference": ref, "load1": load,
                    "load1_end": os.getloadavg()[0], "seconds": time.time() - t0, **info,
                    "runs": {r.strategy: run_dict(r) for r in runs}}
