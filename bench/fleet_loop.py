@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         held.sort(key=lambda c: (c.kernel, c.workload))
         mine = [c for c in held if c.isa == a.isa]
         mine = mine[:a.cases] if a.cases else mine
-        others = [c for c in held if c.isa != a.isa][:: max(1, len(held) // max(1, a.other))][:a.other]
+        others = [c for c in held if c.isa != a.isa]
+        others = others[:: max(1, len(others) // max(1, a.other))][:a.other]
         models = {"old": bundled_model_path(), "new": new}
         say(f"old and new side by side on {len(mine)} held-out {a.isa} cases")
         rows = compare(models, mine, a.depth, a.rounds)
