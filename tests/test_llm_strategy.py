@@ -31,9 +31,9 @@ def test_llm_is_registered_and_default():
     assert DEFAULT_STRATEGY == "llm" and "llm" in STRATEGIES
 
 
-def test_llm_proposes_top_k_then_refines_and_stops(hw):
-    space = GEMM.space(GEMM.workload("mobilenetv2.b6.project").shape, hw)
-    s = make_strategy("llm", space, 0, kernel=GEMM)
+def test_llm_proposes_top_k_then_refines_and_stops(hw, model_kernel):
+    space = model_kernel.space(model_kernel.workloads[1].shape, hw)
+    s = make_strategy("llm", space, 0, kernel=model_kernel)
     assert isinstance(s, LLMStrategy) and s.fallback is None
     assert s.proposer.m.info.sha256[:12] in s.version  # results are keyed by the model
     first = s.ask(2)
@@ -52,9 +52,9 @@ def test_llm_proposes_top_k_then_refines_and_stops(hw):
     assert 0 < asked <= 8
 
 
-def test_llm_widens_when_proposals_measure_far_apart(hw):
-    space = GEMM.space(GEMM.workload("mobilenetv2.b2.expand").shape, hw)
-    s = LLMStrategy(space, 0, kernel=GEMM)
+def test_llm_widens_when_proposals_measure_far_apart(hw, model_kernel):
+    space = model_kernel.space(model_kernel.workloads[0].shape, hw)
+    s = LLMStrategy(space, 0, kernel=model_kernel)
     first = s.ask(2)
     for i, c in enumerate(first):  # the model's first pick is 10x the best: its ranking is off here
         s.tell(c, Measurement(ok=True, ms=10.0 if i == 0 else 1.0))
@@ -63,15 +63,32 @@ def test_llm_widens_when_proposals_measure_far_apart(hw):
     assert not {config_key(c) for c in more} & {config_key(c) for c in first}
 
 
-def test_llm_session_real_compile(hw, runner, tmp_path):
+def test_llm_session_real_compile(hw, runner, tmp_path, model_kernel):
+    spec = model_kernel
+    wl = min(spec.workloads, key=lambda w: spec.flops(w.shape))
     db = ResultsDB(tmp_path / "r.db")
-    res = Session(db, runner, hw).tune(GEMM, GEMM.workload("kws_dscnn.pw4"), strategy="llm", budget=Budget(evals=12))
+    res = Session(db, runner, hw).tune(spec, wl, strategy="llm", budget=Budget(evals=12))
     assert res.strategy == "llm" and res.evals <= 12 and res.ms > 0 and res.speedup is not None
     info = db.session_info(res.session_id)
     assert info["strategy_version"].startswith("1-") and "anneal-fallback" not in info["strategy_version"]
     first = [m["config"] for m in db.measurements(res.session_id, "search")[:5]]
     assert first == [p.config for p in _PROPOSERS[str(default_model_path())].propose(
-        "gemm", GEMM.space(GEMM.workload("kws_dscnn.pw4").shape, hw), 5).proposals][:len(first)]
+        spec.name, spec.space(wl.shape, hw), 5).proposals][:len(first)]
+
+
+def test_a_model_older_than_the_kernel_falls_back_to_anneal(hw, caplog):
+    """A kernel whose knobs changed since the model was trained is searched by anneal, with the reason logged."""
+    import dataclasses
+
+    from kernels.space import enum
+
+    spec = dataclasses.replace(GEMM, params=GEMM.params + (enum("newknob", 1, 2),),
+                               default={**GEMM.default, "newknob": 1})
+    with caplog.at_level(logging.WARNING):
+        s = LLMStrategy(spec.space(FC.shape, hw), 0, kernel=spec)
+    assert s.fallback is not None and "anneal-fallback" in s.version
+    assert "knobs changed since it was trained" in caplog.text
+    assert s.ask(2)  # and it tunes
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random-bytes", "missing"])
@@ -132,5 +149,7 @@ def test_train_from_records_jsonl(tmp_path):
     prop = Proposer(path=model)
     from hwprobe import probe
 
-    res = prop.propose("gemm", GEMM.space(FC.shape, probe(measure_bandwidth=False)), 3)
+    trained = get_spec(recs[0]["kernel"])  # a kernel of the records (the model names only those in its spaces)
+    assert set(prop.m.info.spaces()) == {r["kernel"] for r in recs}
+    res = prop.propose(trained.name, trained.space(recs[0]["shape"], probe(measure_bandwidth=False)), 3)
     assert len(res.proposals) == 3

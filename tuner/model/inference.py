@@ -96,6 +96,16 @@ class GGUFInfo:
         except (TypeError, json.JSONDecodeError):
             return {}
 
+    def incompatibility(self, kernel: str, params: Any) -> str | None:
+        """Why this model cannot rank configs of `kernel` over knobs `params` (kernels.space.Param), or None when it
+        was trained on exactly these knobs and values."""
+        known = self.spaces().get(kernel)
+        if known is None:
+            return f"it was not trained on kernel {kernel}"
+        if known != {p.name: [str(v) for v in p.values] for p in params}:
+            return f"kernel {kernel}'s knobs changed since it was trained (retrain: `make model`)"
+        return None
+
 
 class _Reader:
     def __init__(self, data: bytes, path: Path):

@@ -108,14 +108,9 @@ class LLMStrategy(Strategy):
         path = self.proposer.m.path
         if self.kernel is None:
             raise ModelError(f"tuner model {path}: no kernel given for this search space")
-        name = self.kernel.name
-        known = self.proposer.m.info.spaces().get(name)
-        mine = {p.name: [str(v) for v in p.values] for p in self.space.params}
-        if known is None:
-            raise ModelError(f"tuner model {path} is incompatible: it was not trained on kernel {name}")
-        if known != mine:
-            raise ModelError(f"tuner model {path} is incompatible: kernel {name}'s knobs changed since it "
-                             "was trained")
+        why = self.proposer.m.info.incompatibility(self.kernel.name, self.space.params)
+        if why:
+            raise ModelError(f"tuner model {path} is incompatible: {why}")
 
     # ---- ask / tell ------------------------------------------------------------------------------------------
 

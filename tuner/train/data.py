@@ -13,7 +13,9 @@ import gzip
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -132,11 +134,27 @@ def load_collector(path: Path, cases: dict | None = None) -> dict[tuple, Case]:
     return cases
 
 
+@cache
+def current_knobs(kernel: str) -> frozenset[str] | None:
+    """The knob names of a bundled kernel as it is now (None: no such kernel)."""
+    from kernels.registry import all_specs
+
+    spec = all_specs().get(kernel)
+    return frozenset(p.name for p in spec.params) if spec else None
+
+
+STALE: Counter = Counter()  # per kernel: measurements skipped because they describe an older kernel's knobs
+
+
 def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: str, split: str, hw: dict,
                     cfg: dict, ok: bool, ms: float | None, phase: str = "", leaders: str | None = None) -> None:
     """Add one journal row. A confirmation row of other leaders than the case's current ones starts over: a case's
     leaders only change by more rows joining them, so the later confirmation is of the current leaders, and rounds
-    hours apart are not comparable."""
+    hours apart are not comparable. A row whose config has other knobs than the kernel has now (data collected
+    before the kernel was redesigned) is counted in STALE and left out: it ranks configs that no longer exist."""
+    if set(cfg) != current_knobs(kernel):
+        STALE[kernel] += 1
+        return
     key = case_key(kernel, isa, shape, hw)
     c = cases.get(key)
     if c is None:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -91,8 +92,11 @@ def hw_variants(hw: dict, rng: random.Random, n: int = HW_VARIANTS) -> list[dict
             for _ in range(n)]
 
 
-def spaces_meta() -> dict:
-    return {n: {p.name: [str(v) for v in p.values] for p in s.params} for n, s in all_specs().items()}
+def spaces_meta(kernels: Iterable[str] | None = None) -> dict:
+    """The knob spaces a model was trained for, by kernel: the strategy refuses a model for a kernel it lacks or
+    whose knobs changed since (tuner.strategies.llm), so name only kernels the training data covered."""
+    keep = set(all_specs()) if kernels is None else set(kernels)
+    return {n: {p.name: [str(v) for v in p.values] for p in s.params} for n, s in all_specs().items() if n in keep}
 
 
 def build_corpus(train: list[D.Case], held: list[D.Case], variants: dict[int, list[dict]]) -> list[str]:
@@ -293,6 +297,9 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
         h.update(Path(p).read_bytes())
     dataset_sha = h.hexdigest()
     train, held = D.split_cases(cases)
+    if D.STALE:
+        print("skipped measurements of older kernel knobs (re-collect with `python -m tuner.collect`): "
+              + ", ".join(f"{k} {n}" for k, n in sorted(D.STALE.items())), flush=True)
     if not train:
         raise SystemExit("no training cases in the data")
     examples = D.training_examples(train, top=r.top, tau=r.tau)
@@ -320,7 +327,7 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
         q8 = Path(td) / f"{name}.Q8_0.gguf"
         meta = {"name": name, "version": version, "dataset_sha256": dataset_sha, "prompt_format": PROMPT_FORMAT,
                 "training": training}
-        write_f16(model, proto, f16, meta | {"spaces": spaces_meta()})
+        write_f16(model, proto, f16, meta | {"spaces": spaces_meta({c.kernel for c in train})})
         quantize_q8_0(f16, q8, r.threads)
         probe_seqs = seqs[:: max(1, len(seqs) // 6)][:6]
         agree_f16 = agreement(model, f16, probe_seqs)
