@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from edgetune import paths
-from edgetune.errors import EdgetuneError
+from edgetune.errors import BadInput, EdgetuneError
 from hwprobe.compiler import CompilerMissing, compiler_path, describe_compiler
 from hwprobe.target import is_foreign, toolchain
 from kernels.space import Config, Shape
@@ -95,6 +95,10 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
     """Build (or reuse) the .so for `cfg`, specialised to `shape`'s baked dims when given (it then runs only
     shapes that agree on them). The key covers source, headers, flags, knobs, the target arch and compiler id.
     A foreign `hw` (another arch, see hwprobe.target) is cross-compiled; run such a build with kernels.emulate."""
+    unknown = sorted(set(cfg) - {p.name for p in spec.params})
+    if unknown:  # a stale knob name would otherwise build the default silently
+        raise BadInput(f"{spec.name} has no knob(s) {', '.join(unknown)}; its knobs: "
+                       f"{', '.join(p.name for p in spec.params)}")
     cc, cc_id = target_compiler(hw)
     probe_cmd = compile_command(spec, cfg, hw, Path("OUT"), cc, shape)
     h = hashlib.sha256(spec.source_hash().encode())

@@ -49,6 +49,27 @@ def int_range(name: str, lo: int, hi: int, step: int = 1, help: str = "") -> Par
     return Param(name, "int", tuple(range(lo, hi + 1, step)), help)
 
 
+class PartialConfig(dict):
+    """A partial config: reading an unassigned knob raises KeyError (the constraint is undetermined). Asking whether
+    an unassigned knob is there (`in`, `get`) is allowed, for prefix-aware predicates, and is remembered in
+    `asked`: such an answer may change as knobs are assigned. `missed` lists the unassigned knobs read."""
+
+    asked = False
+    missed: tuple = ()
+
+    def __missing__(self, key: str) -> Any:
+        self.missed += (key,)
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        found = dict.__contains__(self, key)
+        self.asked |= not found
+        return found
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+
 @dataclass(frozen=True)
 class Constraint:
     """A predicate over (config, shape, hw); `why` is shown when it rejects a config."""
@@ -101,13 +122,35 @@ class SearchSpace:
         return out
 
     def valid_default(self) -> Config:
-        """The spec's default, nudged to the nearest valid config when a constraint (e.g. a capped ISA) rejects it."""
+        """The spec's default, nudged to the nearest valid config when a constraint (e.g. a capped ISA) rejects it:
+        the least `distance` from it, ties to the first in enumeration order."""
         if self.is_valid(self.default):
             return dict(self.default)
-        best = min((c for c in self.enumerate()), key=lambda c: self.distance(c, self.default), default=None)
+        best = self._nearest(self.default)
         if best is None:
             raise BadInput(f"no valid config exists for shape {self.shape}")
         return best
+
+    def _nearest(self, target: Mapping[str, Value]) -> Config | None:
+        """Uniform-cost search over knob assignments in space order (cost: steps from `target`), pruning partial
+        assignments a constraint already rules out: exact, without walking the whole cross product."""
+        import heapq
+
+        want = [p.values.index(target[p.name]) if target.get(p.name) in p.values else 0 for p in self.params]
+        heap: list[tuple[int, tuple[int, ...]]] = [(0, ())]
+        while heap:
+            cost, idx = heapq.heappop(heap)
+            cfg = PartialConfig({p.name: p.values[i] for p, i in zip(self.params, idx)})
+            if len(idx) == len(self.params):
+                if self.is_valid(dict(cfg)):
+                    return dict(cfg)
+                continue
+            p = self.params[len(idx)]
+            for i in range(len(p.values)):
+                cfg[p.name] = p.values[i]
+                if self._allowed(cfg):
+                    heapq.heappush(heap, (cost + abs(i - want[len(idx)]), idx + (i,)))
+        return None
 
     def size(self) -> int:
         return sum(1 for _ in self.enumerate())
@@ -123,19 +166,51 @@ class SearchSpace:
                 yield cfg
 
     def sample(self, n: int, rng: random.Random, exclude: set[str] | None = None) -> list[Config]:
-        """Up to n distinct valid configs, uniformly by rejection; deterministic for a seeded rng."""
+        """Up to n distinct valid configs, uniformly by rejection; deterministic for a seeded rng. A space whose
+        constraints reject nearly all of the cross product (a tiny layer: one tile height fits, one depth block
+        covers it) is sampled knob by knob instead, each value drawn among those no constraint rules out yet."""
         seen = set(exclude or ())
         out: list[Config] = []
-        for _ in range(max(200, n * 200)):
+        for attempt in range(max(200, n * 200) + max(50, n * 20)):
             if len(out) >= n:
                 break
-            cfg = {p.name: rng.choice(p.values) for p in self.params}
+            cfg = self._draw(rng) if attempt >= max(200, n * 200) else {p.name: rng.choice(p.values)
+                                                                        for p in self.params}
+            if cfg is None:
+                break
             key = config_key(cfg)
             if key in seen or not self.is_valid(cfg):
                 continue
             seen.add(key)
             out.append(cfg)
         return out
+
+    def _allowed(self, cfg: PartialConfig) -> bool:
+        """No constraint fails on the assigned knobs (one that reads an unassigned knob is undetermined)."""
+        for c in self.constraints:
+            try:
+                if not c.holds(cfg, self.shape, self.hw):
+                    return False
+            except (KeyError, TypeError):
+                continue
+        return True
+
+    def _draw(self, rng: random.Random) -> Config | None:
+        """One valid config, knob by knob in space order, backtracking past dead ends; None if none exists."""
+        cfg = PartialConfig()
+
+        def fill(i: int) -> bool:
+            if i == len(self.params):
+                return self.is_valid(dict(cfg))
+            p = self.params[i]
+            for v in rng.sample(p.values, len(p.values)):
+                cfg[p.name] = v
+                if self._allowed(cfg) and fill(i + 1):
+                    return True
+                del cfg[p.name]
+            return False
+
+        return dict(cfg) if fill(0) else None
 
     def neighbours(self, cfg: Config) -> list[Config]:
         """Valid configs one step away in one knob (adjacent value in the knob's order)."""

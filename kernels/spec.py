@@ -36,8 +36,11 @@ def apply_act(y: np.ndarray, act: str) -> np.ndarray:
         return np.clip(y, 0, 6).astype(y.dtype)
     return y
 
-# An OpenMP fork-join costs ~10 us here, the time of ~1e5 flops: in the 792 collected cases (every kernel, three
-# ISAs) threads=2 never beat threads=1 below 2e5 flops, and lost by up to 438x on the smallest.
+# Set with ABI 1's OpenMP (passive wait), whose fork-join cost ~10 us here, the time of ~1e5 flops: in the 792
+# collected cases (every kernel, three ISAs) threads=2 never beat threads=1 below 2e5 flops, and lost by up to 438x on
+# the smallest. ABI 2's pool dispatches to a spinning worker in well under 1 us (a 16x32x16 gemm: 0.21 us on one
+# thread, 0.24 us on two), so data collected with it may show a lower bound; test_thread_bound_matches_the_collected_data
+# checks this one against the data.
 MIN_FLOPS_PER_THREAD = 1e5
 
 

@@ -66,3 +66,22 @@ def pg_cluster():
 def pg_url(pg_cluster) -> str:
     """A fresh, empty database on the session's cluster."""
     return pg_cluster.create_db()
+
+
+def model_kernels() -> list:
+    """The kernels (specs) the bundled tuner model ranks configs of: it was trained on them, perhaps before their
+    knobs changed (then it ranks the knobs it knows, see tuner.model.proposer.unknown_knobs)."""
+    from kernels.registry import all_specs
+    from tuner.model.inference import check_gguf, default_model_path
+
+    info = check_gguf(default_model_path())
+    return [s for s in all_specs().values() if info.incompatibility(s.name, s.params) is None]
+
+
+@pytest.fixture(scope="session")
+def model_kernel():
+    """One kernel the bundled model knows (gemm when it does): see model_kernels."""
+    known = model_kernels()
+    if not known:
+        pytest.skip("the bundled tuner model predates every kernel's knobs: re-collect and retrain (`make model`)")
+    return next((s for s in known if s.name == "gemm"), known[0])

@@ -121,19 +121,26 @@ def test_changed_leaders_are_confirmed_again_side_by_side(tmp_path):
     assert trained == 5  # 3 bundled, 1 synthetic and 1 real-architecture training shape
 
 
+def _cfg(name: str) -> dict:
+    """A real gemm config per test name (the loader keeps only configs of the kernel's current knobs)."""
+    from kernels.registry import get_spec
+
+    return {**get_spec("gemm").default, "mr": {"a": 1, "b": 2, "c": 3}[name]}
+
+
 def test_training_ranks_confirmed_leaders_by_their_rounds_alone():
     """The confirmation rounds ran on a slower host: pooled with the first pass, an unconfirmed config's single
     fast first measurement would outrank every confirmed leader."""
     cases: dict = {}
     first = {"a": 1.0, "b": 1.2, "c": 1.1}  # c was not among the leaders confirmed
     for name, ms in first.items():
-        add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, {"tile": name}, True, ms, "sample")
+        add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, _cfg(name), True, ms, "sample")
     for name, rounds in {"a": [2.1, 2.0], "b": [1.9, 1.8]}.items():
         for ms in rounds:
-            add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, {"tile": name}, True, ms, "confirm")
+            add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, _cfg(name), True, ms, "confirm")
     (case,) = cases.values()
-    assert [c["tile"] for c, _ in case.ranked()] == ["b", "a", "c"]
-    assert case.table() == {config_key({"tile": k}): ms for k, ms in first.items()}  # the replay's table: first pass
+    assert [c["mr"] for c, _ in case.ranked()] == [2, 1, 3]  # b, a, c
+    assert case.table() == {config_key(_cfg(k)): ms for k, ms in first.items()}  # the replay's table: first pass
 
 
 def test_records_of_another_device_are_cases_of_their_own(tmp_path):
@@ -146,9 +153,9 @@ def test_records_of_another_device_are_cases_of_their_own(tmp_path):
     device = {"hw_fingerprint": "epyc", "isa": "x86-64-v3", "vector_bits": 256, "cores": 2, "l2": 1 << 20}
     cases: dict = {}
     for m, split in ((8, "train"), (9, "heldout")):
-        add_measurement(cases, "gemm", "x86-64-v3", {"M": m}, "w", split, host, {"tile": "a"}, True, 1.0, "sample")
+        add_measurement(cases, "gemm", "x86-64-v3", {"M": m}, "w", split, host, _cfg("a"), True, 1.0, "sample")
     recs = [{"kernel": "gemm", "isa": "x86-64-v3", "shape": {"M": m}, "workload": "w", "hw": device,
-             "measurements": [{"phase": "search", "seq": 0, "config": {"tile": "b"}, "ok": True, "ms": 0.5}]}
+             "measurements": [{"phase": "search", "seq": 0, "config": _cfg("b"), "ok": True, "ms": 0.5}]}
             for m in (8, 9)]
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -156,6 +163,6 @@ def test_records_of_another_device_are_cases_of_their_own(tmp_path):
     assert sessions == 2 and len(cases) == 3
     by = {(c.hw["hw_fingerprint"], c.shape["M"]): c for c in cases.values()}
     assert set(by) == {("xeon", 8), ("xeon", 9), ("epyc", 8)}
-    assert by["epyc", 8].hw == device and by["epyc", 8].table() == {config_key({"tile": "b"}): 0.5}
-    assert by["xeon", 8].table() == {config_key({"tile": "a"}): 1.0}
+    assert by["epyc", 8].hw == device and by["epyc", 8].table() == {config_key(_cfg("b")): 0.5}
+    assert by["xeon", 8].table() == {config_key(_cfg("a")): 1.0}
     assert by["epyc", 8].problem == by["xeon", 8].problem and by["epyc", 8].key != by["xeon", 8].key

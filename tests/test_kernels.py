@@ -121,6 +121,42 @@ def test_thread_bound_matches_the_collected_data():
     cases = D.load_collector(Path(D.DEFAULT_DATA))
     specs = all_specs()
     tiny = [c for c in cases.values() if c.table() and specs[c.kernel].flops(c.shape) < 2 * MIN_FLOPS_PER_THREAD]
-    assert len(tiny) >= 50, "the dataset should hold many tiny cases"
+    # the loader leaves out data of kernels redesigned since it was collected, so this checks the cases left
+    assert len(tiny) >= 20, "the dataset should hold many tiny cases"
     multi = [c for c in tiny if c.ranked()[0][0]["threads"] != 1]
     assert not multi, [(c.kernel, c.isa, c.workload, c.ranked()[0]) for c in multi[:3]]
+
+
+def test_valid_default_is_the_nearest_valid_config():
+    """The nudged default is the valid config fewest knob steps from the spec's, ties to enumeration order: the
+    search that finds it agrees with a walk over every valid config (on an SSE-capped host, where vec=8 is out)."""
+    from hwprobe import probe
+
+    hw = probe(isa_cap="x86-64-v2", measure_bandwidth=False)
+    for spec in SPECS:
+        for w in spec.workloads:
+            space = spec.space(w.shape, hw)
+            if space.cardinality() > 1e6:
+                continue
+            brute = min(space.enumerate(), key=lambda c: space.distance(c, space.default))
+            assert space.valid_default() == brute, (spec.name, w.name)
+
+
+def test_sampling_a_space_the_constraints_nearly_empty():
+    """When the constraints reject nearly all of the cross product, rejection sampling alone finds nothing: the
+    sampler then draws knob by knob among the values no constraint rules out yet."""
+    import dataclasses
+
+    from kernels.registry import get_spec
+    from kernels.space import Constraint
+
+    gemm = get_spec("gemm")
+    hw = type("Hw", (), {"vector_bits": 512, "vector_registers": 32, "cores": 2, "big_cores": 2})()
+    base = gemm.space({"M": 1, "N": 12, "K": 64}, hw)
+    rare = Constraint("a rare corner", lambda c, s, h: c["kc"] == 16 and c["unroll_k"] == 8 and c["nb"] == 16
+                      and c["mb"] == 64)
+    space = dataclasses.replace(base, constraints=base.constraints + (rare,))
+    assert 10 <= space.size() < space.cardinality() / 2000
+    got = space.sample(10, random.Random(3))
+    assert len(got) == 10 and len({tuple(sorted(c.items())) for c in got}) == 10
+    assert all(space.is_valid(c) for c in got) and len({c["nv"] for c in got}) > 1

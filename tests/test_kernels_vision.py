@@ -91,10 +91,11 @@ def test_both_strides_every_loop_order(stride, hw, runner):
     v = _widest_vec(hw)
     conv = get_spec("conv2d_3x3")
     shape = {"H": 11, "W": 13, "Cin": 7, "Cout": 2 * v + 3, "stride": stride}
-    for order in ("ky_kx_ci", "ci_ky_kx"):
-        for outer in ("rows", "panels"):
-            cfg = dict(conv.space(shape, hw).valid_default(), order=order, outer=outer, vec=v, cv=2, wt=3,
+    for order in ("rows", "panels"):
+        for mr, mb in ((5, 4), (12, 1)):  # tiles that span output rows, alias past the last pixel, mix borders
+            cfg = dict(conv.space(shape, hw).valid_default(), order=order, vec=v, nv=2, mr=mr, mb=mb, nb=2,
                        prefetch=2)
+            assert set(cfg) == {p.name for p in conv.params}
             _check(conv, shape, [cfg], hw, runner)
     dw = get_spec("dwconv_3x3")
     shape = {"H": 11, "W": 13, "C": 3 * v + 5, "stride": stride}
@@ -109,7 +110,7 @@ def test_configs_tuned_for_other_shapes_stay_correct(hw, runner):
     may be reused on a neighbouring shape."""
     v = _widest_vec(hw)
     conv = get_spec("conv2d_3x3")
-    big = dict(conv.default, vec=v, cv=4, wt=8, order="ci_ky_kx")
+    big = dict(conv.default, vec=v, nv=4, mr=12, mb=64, nb=16, order="rows")
     for shape in ({"H": 1, "W": 1, "Cin": 2, "Cout": 1, "stride": 1},
                   {"H": 3, "W": 2, "Cin": 1, "Cout": 5, "stride": 2}):
         _check(conv, shape, [big], hw, runner)
@@ -177,13 +178,14 @@ def test_stride_specialised_build_runs_its_stride_only(name, hw, runner):
 
 
 def test_gemm_prunes_column_panels_wider_than_n(hw, runner):
-    """nv * vec columns wider than N leave no full tile: the whole product runs as scalar edge tiles (7x slower on
-    M=1 N=16, measured). The space prunes such panels (nv=1 stays, like conv1d's channel block), the default
-    moves to its nearest valid neighbour, and a pruned config reused on such a shape is still correct."""
+    """A packed panel (nv * vec columns) holding a whole vector of padding past N only multiplies zeros: the space
+    prunes it (nv=1 stays, its padding is a masked store), the default moves to its nearest valid neighbour, and a
+    pruned config reused on such a shape is still correct."""
     gemm = get_spec("gemm")
     narrow = gemm.space({"M": 1, "N": 12, "K": 64}, hw)
-    assert not narrow.is_valid(dict(gemm.default, nv=2, vec=8))
-    assert narrow.is_valid(dict(gemm.default, nv=1, vec=8)) and narrow.is_valid(dict(gemm.default, nv=2, vec=4))
-    assert narrow.is_valid(narrow.valid_default()) and narrow.distance(narrow.valid_default(), gemm.default) == 1
-    assert gemm.space({"M": 1, "N": 16, "K": 64}, hw).is_valid(dict(gemm.default, nv=2, vec=8))
-    _check(gemm, {"M": 3, "N": 12, "K": 64}, [dict(gemm.default, nv=2, vec=8)], hw, runner)
+    one_row = dict(gemm.default, mr=1)
+    assert not narrow.is_valid(dict(one_row, nv=3, vec=8))  # 24 columns for 12: the third vector is all padding
+    assert narrow.is_valid(dict(one_row, nv=2, vec=8)) and narrow.is_valid(dict(one_row, nv=3, vec=4))
+    assert narrow.valid_default() == one_row  # the default's nv=2, vec=8 stays: 4 padded lanes, masked
+    assert gemm.space({"M": 1, "N": 24, "K": 64}, hw).is_valid(dict(one_row, nv=3, vec=8))
+    _check(gemm, {"M": 3, "N": 12, "K": 64}, [dict(gemm.default, nv=4, vec=8)], hw, runner)

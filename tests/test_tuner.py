@@ -113,11 +113,21 @@ def test_strategies_are_deterministic_under_seed(name, hw):
 
 
 def test_exhaustive_refuses_big_spaces(hw):
-    space = GEMM.space(SMALL.shape, hw)
-    with pytest.raises(BadInput, match="over the limit of 100"):
-        Exhaustive(space, limit=100)
+    from kernels.space import Constraint
+
+    full = GEMM.space(SMALL.shape, hw)
+    with pytest.raises(BadInput, match="over the limit of 5000"):
+        Exhaustive(full)
+    # the knobs that matter on M=1 (tile width, vector width, threads) left free: a space exhaustive takes
+    fixed = {"mr": 1, "kc": 64, "mb": 1, "nb": 1, "order": "panels", "prefetch": 0}
+    space = dataclasses.replace(full, constraints=full.constraints + (
+        Constraint("pinned", lambda c, s, h: all(c[k] == v for k, v in fixed.items())),))
+    n = space.size()
+    assert 10 < n < 5000
+    with pytest.raises(BadInput, match=f"over the limit of {n - 1}"):
+        Exhaustive(space, limit=n - 1)
     ex = Exhaustive(space)
-    assert len(ex.ask(10_000)) == space.size()
+    assert len(ex.ask(10_000)) == n
 
 
 def test_anneal_improves_on_synthetic_objective(hw):
@@ -386,7 +396,7 @@ def test_tune_report_pin_verify_export_cli(tmp_path):
         assert k in res
     rep = json.loads(_cli("report", "--json").stdout)
     assert rep[0]["kernel"] == "gemm" and rep[0]["tuned_ms"] == pytest.approx(res["ms"]) and rep[0]["ort_ms"] > 0
-    pin = {**GEMM.default, "nv": 1, "kc": 64, "unroll_k": 1}  # N=12: a 2-vector panel is pruned
+    pin = {**GEMM.default, "mr": 1, "nv": 1, "kc": 64, "unroll_k": 1}  # M=1: one-row tiles
     assert _cli("pin", "gemm", "kws_dscnn.fc", json.dumps(pin)).returncode == 0
     again = _cli("tune", "--kernel", "gemm", "--workload", "kws_dscnn.fc", "--budget", "4", "--force", "--json")
     assert again.returncode == 0

@@ -80,7 +80,9 @@ typedef int32_t et_vi __attribute__((vector_size(ET_VEC * sizeof(int32_t))));
 
 static inline et_vf et_load(const float *p) { return *(const et_vf_u *)p; }
 static inline void et_store(float *p, et_vf v) { *(et_vf_u *)p = v; }
-static inline et_vf et_splat(float x) { return (et_vf){0} + x; }
+/* x in every lane: lane 0 shuffled everywhere, which GCC emits as one broadcast (from memory when x is loaded).
+ * (Not `(et_vf){0} + x`: adding +0.0 is no identity for -0.0, so that costs a scalar add before each broadcast.) */
+static inline et_vf et_splat(float x) { return __builtin_shuffle((et_vf){x}, (et_vi){0}); }
 static inline float et_hsum(et_vf v) {
     float s = 0.0f;
     for (int i = 0; i < ET_VEC; i++) s += v[i];
@@ -141,14 +143,21 @@ typedef void (*et_item_fn)(void *ctx, int64_t i);
 #include <sys/syscall.h>
 #include <unistd.h>
 
+/* A dispatch's join word: its generation (high 32 bits), ET_JOIN_OPEN while workers may still join it, and how
+ * many joined workers are still inside it (low 16 bits). A worker joins only the generation it was woken for and
+ * only while it is open, so a dispatch that closed (its work done without that worker, e.g. one descheduled on a
+ * busy core) is never entered late. */
+#define ET_JOIN_OPEN ((uint64_t)1 << 16)
+
 static struct {
     pthread_mutex_t lock; /* one dispatch at a time */
     int started;          /* a start was attempted (in this process: a forked child starts its own) */
     int ok;               /* every worker started */
     et_thread_fn fn;
     void *ctx;
-    uint32_t gen;         /* bumped per dispatch; the futex word workers sleep on */
-    int running;          /* workers still inside the current dispatch */
+    uint32_t gen;         /* the latest generation; the futex word workers sleep on */
+    uint64_t join;        /* the current dispatch's join word */
+    int finished;         /* workers done with the current dispatch */
     int sleepers;         /* workers asleep (or about to be) on gen */
     int quit;
     pthread_t tid[ET_THREADS - 1];
@@ -180,14 +189,24 @@ static uint32_t et_pool_wait(uint32_t seen) {
     }
 }
 
+/* Join dispatch g if it is still open; 1 when joined. */
+static int et_pool_join(uint32_t g) {
+    uint64_t w = __atomic_load_n(&et_pool.join, __ATOMIC_ACQUIRE);
+    while ((uint32_t)(w >> 32) == g && (w & ET_JOIN_OPEN))
+        if (__atomic_compare_exchange_n(&et_pool.join, &w, w + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return 1;
+    return 0;
+}
+
 static void *et_pool_worker(void *arg) {
     const int tid = (int)(intptr_t)arg;
     uint32_t seen = 0;
     for (;;) {
         seen = et_pool_wait(seen);
         if (__atomic_load_n(&et_pool.quit, __ATOMIC_ACQUIRE)) return NULL;
+        if (!et_pool_join(seen)) continue;
         et_pool.fn(et_pool.ctx, tid);
-        __atomic_sub_fetch(&et_pool.running, 1, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&et_pool.finished, 1, __ATOMIC_RELEASE);
+        __atomic_sub_fetch(&et_pool.join, 1, __ATOMIC_RELEASE);
     }
 }
 
@@ -196,7 +215,7 @@ static void *et_pool_worker(void *arg) {
 static void et_pool_prefork(void) { pthread_mutex_lock(&et_pool.lock); }
 static void et_pool_postfork_parent(void) { pthread_mutex_unlock(&et_pool.lock); }
 static void et_pool_postfork_child(void) {
-    et_pool.started = et_pool.ok = et_pool.sleepers = et_pool.running = et_pool.quit = 0;
+    et_pool.started = et_pool.ok = et_pool.sleepers = et_pool.quit = 0;
     pthread_mutex_unlock(&et_pool.lock);
 }
 
@@ -225,39 +244,62 @@ __attribute__((destructor)) static void et_pool_stop(void) {
     et_pool.ok = 0;
     pthread_mutex_unlock(&et_pool.lock);
 }
-#endif
 
-/* fn(ctx, tid) for every tid in [0, ET_THREADS), each on its own thread, all running at once (the caller is
- * tid 0), so fn may synchronise its threads. Returns 0, or ET_ERR_THREADS when the pool could not start. */
-__attribute__((unused)) static int et_parallel(et_thread_fn fn, void *ctx) {
-#if ET_THREADS > 1
+/* Spin until *word (under mask) is `want`, yielding once a worker looks preempted (a shared core). */
+static void et_pool_await(const void *word, int wide, uint64_t mask, uint64_t want) {
+    for (unsigned i = 0;; i++) {
+        const uint64_t v = wide ? __atomic_load_n((const uint64_t *)word, __ATOMIC_ACQUIRE)
+                                : (uint64_t)__atomic_load_n((const int *)word, __ATOMIC_ACQUIRE);
+        if ((v & mask) == want) return;
+        if (i < (1u << 14))
+            et_cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+/* Run fn(ctx, tid) on the pool: the caller is tid 0. `all`: every worker must run it too (and all at once), and
+ * the call returns when each has; otherwise workers that have not joined when the caller's own call returns are
+ * shut out (et_parallel_for, whose caller has stolen every item left by then). */
+static int et_pool_run(et_thread_fn fn, void *ctx, int all) {
     pthread_mutex_lock(&et_pool.lock);
     if (!et_pool.started) et_pool_start();
     if (!et_pool.ok) {
         pthread_mutex_unlock(&et_pool.lock);
         return ET_ERR_THREADS;
     }
+    const uint32_t g = et_pool.gen + 1;
     et_pool.fn = fn, et_pool.ctx = ctx;
-    __atomic_store_n(&et_pool.running, ET_THREADS - 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&et_pool.gen, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&et_pool.finished, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&et_pool.join, ((uint64_t)g << 32) | ET_JOIN_OPEN, __ATOMIC_RELEASE);
+    __atomic_store_n(&et_pool.gen, g, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&et_pool.sleepers, __ATOMIC_SEQ_CST)) et_futex(&et_pool.gen, FUTEX_WAKE, INT32_MAX);
     fn(ctx, 0);
-    for (unsigned i = 0; __atomic_load_n(&et_pool.running, __ATOMIC_ACQUIRE); i++) {
-        if (i < (1u << 16))
-            et_cpu_relax();
-        else
-            sched_yield(); /* a worker was preempted (a shared core): let it run */
-    }
+    if (all) /* every worker has run fn before anyone leaves (a worker counts itself finished, then leaves) */
+        et_pool_await(&et_pool.finished, 0, ~(uint64_t)0, ET_THREADS - 1);
+    else
+        __atomic_fetch_and(&et_pool.join, ~ET_JOIN_OPEN, __ATOMIC_ACQ_REL);
+    et_pool_await(&et_pool.join, 1, ET_JOIN_OPEN - 1, 0); /* no joined worker still inside: the state may go */
     pthread_mutex_unlock(&et_pool.lock);
+    return 0;
+}
+#endif
+
+/* fn(ctx, tid) for every tid in [0, ET_THREADS), each on its own thread, all running at once (the caller is
+ * tid 0), so fn may synchronise its threads. Returns 0, or ET_ERR_THREADS when the pool could not start. */
+__attribute__((unused)) static int et_parallel(et_thread_fn fn, void *ctx) {
+#if ET_THREADS > 1
+    return et_pool_run(fn, ctx, 1);
 #else
     fn(ctx, 0);
-#endif
     return 0;
+#endif
 }
 
 #if ET_THREADS > 1
 /* et_parallel_for's shared state: each thread owns a contiguous range of items, takes them from its front, and
- * when done steals from the back of the others' (pthreadpool's scheme); `left` arbitrates, so no item runs twice. */
+ * when done steals from the back of the others' (pthreadpool's scheme); `left` arbitrates, so no item runs twice,
+ * and a worker that never joins (descheduled) only has its range stolen by the others. */
 typedef struct {
     int64_t next, end, left;
 } __attribute__((aligned(64))) et_range; /* one cache line per thread's range */
@@ -296,7 +338,7 @@ __attribute__((unused)) static int et_parallel_for(int64_t n, et_item_fn fn, voi
             s.r[t].end = n * (t + 1) / ET_THREADS;
             s.r[t].left = s.r[t].end - s.r[t].next;
         }
-        return et_parallel(et_for_thread, &s);
+        return et_pool_run(et_for_thread, &s, 0);
     }
 #endif
     for (int64_t i = 0; i < n; i++) fn(ctx, i);

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from kernels.space import Config, Constraint, enum, pow2
+from kernels.space import Config, Constraint, Param, enum, pow2
 
 VEC = pow2("vec", 4, 16, help="floats per vector register (GCC vector extensions)")
 THREADS = enum("threads", 1, 2, 4, help="threads of the kernel's pool (1: no pool)")
@@ -27,6 +28,56 @@ def registers_fit(what: str, needed: Callable[[Config], int], share: float = 1.0
     (HwDescriptor.vector_registers), the rest being left for loads and broadcasts."""
     return Constraint(f"{what} must fit {share:.0%} of the vector registers (32 on aarch64 and AVX-512, 16 on "
                       "AVX2/SSE and armv7 NEON)", lambda c, s, hw: needed(c) <= share * hw.vector_registers)
+
+
+@dataclass(frozen=True)
+class GemmCore:
+    """The knobs and constraints of the shared GEMM core (kernels/c/et_gemm.h), bound to how a kernel's shape maps to
+    the GEMM's rows (m) and columns (n)."""
+
+    params: tuple[Param, ...]
+    constraints: tuple[Constraint, ...]
+
+
+def gemm_core(m: Callable[[Any], int], n: Callable[[Any], int]) -> GemmCore:
+    def tiles(c: Config, s: Any) -> int:
+        return -(-m(s) // int(c["mr"]))
+
+    def panels(c: Config, s: Any) -> int:
+        return -(-n(s) // (int(c["nv"]) * int(c["vec"])))
+
+    mb = enum("mb", 1, 4, 16, 64, help="row tiles per block (an L2 block of the activations; blocks are what the "
+              "threads share)")
+    nb = enum("nb", 1, 2, 4, 16, help="panels per block (an L2 block of the packed weights)")
+    params = (
+        enum("mr", 1, 2, 3, 4, 5, 6, 7, 8, 12, help="rows of the register tile (MLAS runs 12 or 6, XNNPACK 7 or 5)"),
+        enum("nv", 1, 2, 3, 4, help="vectors per register-tile row: a packed weight panel is nv * vec columns"),
+        VEC,
+        mb,
+        nb,
+        enum("order", "panels", "rows", help="inside a block: panels outer (a panel is reused from L1 by every row "
+             "tile) or row tiles outer (a tile's activations are reused from L1 by every panel)"),
+        enum("unroll_k", 1, 2, 4, 8, help="unroll of the micro-kernel's depth loop"),
+        PREFETCH,
+        THREADS,
+    )
+    constraints = (
+        VEC_FITS_ISA,
+        THREADS_FIT_CORES,
+        registers_fit("mr * nv accumulators + nv panel vectors + 1 broadcast",
+                      lambda c: c["mr"] * c["nv"] + c["nv"] + 1),
+        Constraint("a tile taller than the GEMM's rows only repeats its last row",
+                   lambda c, s, hw: c["mr"] == 1 or c["mr"] <= m(s)),
+        Constraint("a panel must not hold a whole vector of padding beyond the output channels",
+                   lambda c, s, hw: (c["nv"] - 1) * c["vec"] < n(s)),
+        Constraint("every thread needs a block of its own", lambda c, s, hw: c["threads"] == 1
+                   or -(-tiles(c, s) // c["mb"]) * -(-panels(c, s) // c["nb"]) >= c["threads"]),
+    )
+    return GemmCore(params, constraints)
+
+
+GEMM_CORE_DEFAULT = {"mr": 6, "nv": 2, "vec": 8, "mb": 16, "nb": 4, "order": "panels", "unroll_k": 4, "prefetch": 0,
+                     "threads": 1}
 
 
 def onnx_model(nodes: list, inputs: list[tuple[str, tuple[int, ...]]], outputs: list[tuple[str, tuple[int, ...]]],

@@ -6,10 +6,8 @@ import random
 
 import numpy as np
 
-from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, onnx_model, rand,
-                                  registers_fit)
+from kernels.specs.common import GEMM_CORE_DEFAULT, bias, gemm_core, onnx_model, rand
 from kernels.specs.common import logu, round_to
 
 
@@ -60,6 +58,10 @@ def _shape_problems(s: dict) -> list[str]:
     return []
 
 
+# the implicit GEMM: rows are output steps, columns output channels, depth K * Cin (et_gemm.h)
+CORE = gemm_core(out_steps, lambda s: s["Cout"])
+
+
 def _synthetic(rng: random.Random) -> dict:
     """A seeded edge-range shape for the collector: 16-400 frames, 8-512 channels, odd kernel widths."""
     return {"T": logu(rng, 16, 400), "Cin": round_to(logu(rng, 8, 512), 8), "Cout": round_to(logu(rng, 8, 512), 4),
@@ -72,6 +74,7 @@ SPEC = KernelSpec(
     summary="temporal conv out[To,Cout] = act(sum_k x[t*stride+k-K/2, Cin] w[k,Cin,Cout] + bias), time-major "
             "channels-last",
     source=C_DIR / "conv1d.c",
+    extra_headers=(C_DIR / "et_gemm.h",),
     dims=(
         Dim("T", "input time steps (frames)"),
         Dim("Cin", "input channels / features"),
@@ -79,25 +82,9 @@ SPEC = KernelSpec(
         Dim("K", "kernel size in time steps (zero padding K//2 on both ends)"),
         Dim("stride", "time stride", choices=(1, 2)),
     ),
-    params=(
-        enum("tt", 1, 2, 4, 6, 8, help="output time steps per register tile"),
-        enum("nv", 1, 2, 3, 4, help="vectors of output channels per register tile"),
-        VEC,
-        enum("unroll", 1, 2, 4, 8, help="unroll of the depth (input channel) loop"),
-        PREFETCH,
-        THREADS,
-        enum("order", "tc", "ct", help="tile loop order: time tiles outer (tc) or channel blocks outer (ct)"),
-    ),
-    constraints=(
-        VEC_FITS_ISA,
-        THREADS_FIT_CORES,
-        registers_fit("tt * nv accumulators", lambda c: c["tt"] * c["nv"]),
-        Constraint("a time tile longer than the output only computes padding",
-                   lambda c, s, hw: c["tt"] == 1 or c["tt"] <= out_steps(s)),
-        Constraint("a channel block wider than Cout only computes padding",
-                   lambda c, s, hw: c["nv"] == 1 or c["nv"] * c["vec"] <= max(c["vec"], s["Cout"])),
-    ),
-    default={"tt": 4, "nv": 3, "vec": 8, "unroll": 4, "prefetch": 0, "threads": 1, "order": "ct"},
+    params=CORE.params,
+    constraints=CORE.constraints,
+    default=GEMM_CORE_DEFAULT,
     workloads=(
         Workload("whisper_tiny.conv1", {"T": 300, "Cin": 80, "Cout": 384, "K": 3, "stride": 1},
                  "Whisper tiny encoder conv1 (80 mels -> 384, k3), on a 3 s chunk (300 of the 3000 frames)"),

@@ -6,10 +6,8 @@ import random
 
 import numpy as np
 
-from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, const, onnx_model,
-                                  out_size, rand, registers_fit)
+from kernels.specs.common import GEMM_CORE_DEFAULT, bias, const, gemm_core, onnx_model, out_size, rand
 from kernels.specs.common import logu, round_to
 
 
@@ -61,6 +59,10 @@ def _bytes(s: dict) -> float:
     return 4.0 * (s["H"] * s["W"] * s["Cin"] + 9 * s["Cin"] * s["Cout"] + Ho * Wo * s["Cout"])
 
 
+# the implicit GEMM: rows are output pixels, columns output channels, depth 9 * Cin (et_gemm.h)
+CORE = gemm_core(lambda s: out_size(s["H"], s["stride"]) * out_size(s["W"], s["stride"]), lambda s: s["Cout"])
+
+
 def _synthetic(rng: random.Random) -> dict:
     """A seeded edge-range shape for the collector: 7-112 px feature maps, RGB or 8-256 channels."""
     hw_ = logu(rng, 7, 112)
@@ -76,30 +78,12 @@ SPEC = KernelSpec(
     summary="3x3 convolution, pad 1, stride 1|2: act(NHWC input [H,W,Cin] * HWIO weights [3,3,Cin,Cout] + bias) -> "
             "[Ho,Wo,Cout]",
     source=C_DIR / "conv2d_3x3.c",
+    extra_headers=(C_DIR / "et_gemm.h",),
     dims=(Dim("H", "input height"), Dim("W", "input width"), Dim("Cin", "input channels"),
           Dim("Cout", "output channels"), Dim("stride", "spatial stride (pad is 1)", choices=(1, 2))),
-    params=(
-        enum("cv", 1, 2, 4, help="vectors of output channels per register tile"),
-        enum("wt", 1, 2, 3, 4, 6, 8, help="output pixels (along a row) per register tile"),
-        VEC,
-        enum("unroll", 1, 2, 4, help="unroll of the input-channel loop"),
-        enum("order", "ky_kx_ci", "ci_ky_kx", help="reduction loop order (and packed weight layout)"),
-        enum("outer", "rows", "panels", help="outer loop: output rows (input rows stay hot) or channel panels "
-             "(a weight panel stays hot)"),
-        PREFETCH,
-        THREADS,
-    ),
-    constraints=(
-        VEC_FITS_ISA,
-        THREADS_FIT_CORES,
-        registers_fit("wt * cv accumulators + cv weight vectors + 1", lambda c: c["wt"] * c["cv"] + c["cv"] + 1),
-        Constraint("a channel panel (cv * vec) must not hold a whole vector of padding beyond Cout",
-                   lambda c, s, hw: (c["cv"] - 1) * c["vec"] < s["Cout"]),
-        Constraint("wt beyond the output width only repeats a smaller tile",
-                   lambda c, s, hw: c["wt"] <= max(1, out_size(s["W"], s["stride"]))),
-    ),
-    default={"cv": 2, "wt": 4, "vec": 8, "unroll": 2, "order": "ky_kx_ci", "outer": "rows",
-             "prefetch": 0, "threads": 1},
+    params=CORE.params,
+    constraints=CORE.constraints,
+    default=GEMM_CORE_DEFAULT,
     workloads=(
         Workload("mobilenetv2.stem", {"H": 224, "W": 224, "Cin": 3, "Cout": 32, "stride": 2},
                  "MobileNetV2 first conv, 224x224x3 -> 112x112x32, stride 2"),

@@ -6,10 +6,9 @@ import random
 
 import numpy as np
 
-from kernels.space import Constraint, enum, pow2
+from kernels.space import pow2
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, onnx_model, rand,
-                                  registers_fit)
+from kernels.specs.common import GEMM_CORE_DEFAULT, bias, gemm_core, onnx_model, rand
 from kernels.specs.common import logu, round_to
 
 
@@ -29,6 +28,11 @@ def _twin(s: dict) -> bytes:
                       [("C", (s["M"], s["N"]))])
 
 
+KC = pow2("kc", 16, 512, help="depth (K) block: a panel's kc x nv*vec slice stays in L1 while the block's row tiles "
+          "pass (partial sums wait in C between blocks; kc >= K is one block)")
+CORE = gemm_core(lambda s: s["M"], lambda s: s["N"])
+
+
 def _synthetic(rng: random.Random) -> dict:
     """A seeded edge-range shape for the collector: fc layers (M=1, 16) and conv-as-gemm panels."""
     return {"M": rng.choice([1, 16, logu(rng, 8, 4096), logu(rng, 49, 3136), logu(rng, 49, 3136)]),
@@ -40,26 +44,12 @@ SPEC = KernelSpec(
     domain="vision",
     summary="C[M,N] = act(A[M,K] B[K,N] + bias[N]): pointwise conv (M = H*W pixels) and FC layers",
     source=C_DIR / "gemm.c",
+    extra_headers=(C_DIR / "et_gemm.h",),
     dims=(Dim("M", "rows (output pixels H*W, or batch)"), Dim("N", "output channels / features"),
           Dim("K", "input channels / features")),
-    params=(
-        enum("mr", 1, 2, 4, 8, help="rows per register tile"),
-        enum("nv", 1, 2, 4, help="vectors per register-tile row"),
-        pow2("kc", 32, 256, help="depth (K) block"),
-        VEC,
-        enum("unroll_k", 1, 2, 4, 8, help="unroll of the inner k loop"),
-        PREFETCH,
-        THREADS,
-    ),
-    constraints=(
-        VEC_FITS_ISA,
-        THREADS_FIT_CORES,
-        registers_fit("mr * nv accumulators", lambda c: c["mr"] * c["nv"]),
-        Constraint("kc beyond 2*K only repeats kc=K", lambda c, s, hw: c["kc"] <= max(32, 2 * s["K"])),
-        Constraint("a column panel (nv * vec) wider than N runs as scalar edge tiles",
-                   lambda c, s, hw: c["nv"] == 1 or c["nv"] * c["vec"] <= max(c["vec"], s["N"])),
-    ),
-    default={"mr": 4, "nv": 2, "kc": 128, "vec": 8, "unroll_k": 4, "prefetch": 0, "threads": 1},
+    params=CORE.params[:3] + (KC,) + CORE.params[3:],
+    constraints=CORE.constraints,
+    default={**GEMM_CORE_DEFAULT, "kc": 256},
     workloads=(
         Workload("mobilenetv2.b2.expand", {"M": 3136, "N": 144, "K": 24}, "MobileNetV2 block 2 1x1 expand, 56x56"),
         Workload("mobilenetv2.b6.project", {"M": 196, "N": 64, "K": 384}, "MobileNetV2 block 6 1x1 project, 14x14"),

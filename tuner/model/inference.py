@@ -110,6 +110,17 @@ class GGUFInfo:
         except (TypeError, json.JSONDecodeError):
             return {}
 
+    def incompatibility(self, kernel: str, params: Any) -> str | None:
+        """Why this model cannot rank configs of `kernel` over knobs `params` (kernels.space.Param), or None when it
+        can: it was trained on the kernel and knows at least one of its knobs. A model trained before a kernel gained
+        or lost knobs or values still ranks the knobs it knows (tuner.model.proposer.unknown_knobs)."""
+        known = self.spaces().get(kernel)
+        if known is None:
+            return f"it was not trained on kernel {kernel}"
+        if not set(known) & {p.name for p in params}:
+            return f"it knows none of kernel {kernel}'s knobs (retrain: `make model`)"
+        return None
+
 
 class _Reader:
     def __init__(self, data: bytes, path: Path):

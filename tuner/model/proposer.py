@@ -27,31 +27,10 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
-from kernels.space import Config, SearchSpace, config_key
+from kernels.space import Config, PartialConfig, SearchSpace, config_key
 from tuner.grammar import export_grammar
 from tuner.model.inference import LlamaModel, ModelError, _Batch, log_softmax
 from tuner.model.prompt import field_text, prompt_text
-
-
-class _Partial(dict):
-    """A partial config: reading an unassigned knob raises KeyError (the constraint is undetermined). Asking whether
-    an unassigned knob is there (`in`, `get`) is allowed, for prefix-aware predicates, and is remembered in
-    `asked`: such an answer may change as knobs are assigned. `missed` lists the unassigned knobs read."""
-
-    asked = False
-    missed: tuple = ()
-
-    def __missing__(self, key: str) -> Any:
-        self.missed += (key,)
-        raise KeyError(key)
-
-    def __contains__(self, key: object) -> bool:
-        found = dict.__contains__(self, key)
-        self.asked |= not found
-        return found
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
 
 
 def unknown_knobs(known: Mapping[str, Any] | None, space: SearchSpace) -> dict[str, Any]:
@@ -67,7 +46,7 @@ def unknown_knobs(known: Mapping[str, Any] | None, space: SearchSpace) -> dict[s
 Pending = tuple[tuple[int, "str | None"], ...]  # (constraint index, the unassigned knob its evaluation stopped at)
 
 
-def undecided(space: SearchSpace, pending: Pending, cfg: _Partial) -> Pending | None:
+def undecided(space: SearchSpace, pending: Pending, cfg: PartialConfig) -> Pending | None:
     """The constraints of `pending` that `cfg` leaves undetermined, or None when one of them fails.
 
     A constraint that held without looking at an unassigned knob holds for every completion of `cfg`, so a search
@@ -103,7 +82,7 @@ def candidates(space: SearchSpace, fields: list, names: list[str], node: "_Node"
     assigned = dict(zip(names, node.values))
     out = []
     for v, vt in values:
-        cfg = _Partial(assigned)
+        cfg = PartialConfig(assigned)
         cfg[name] = v
         left = undecided(space, node.pending, cfg)
         if left is not None and (extra is None or extra(cfg) is not False):
@@ -226,7 +205,7 @@ class Proposer:
                 cfg = dict(zip(names, node.values))
                 key = config_key(cfg)
                 if key not in seen and key not in exclude and space.is_valid(cfg) \
-                        and (extra is None or extra(_Partial(cfg)) is not False):
+                        and (extra is None or extra(PartialConfig(cfg)) is not False):
                     seen.add(key)
                     out.append(Proposal(cfg, -node.neg))
                 continue

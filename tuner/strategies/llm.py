@@ -172,12 +172,11 @@ class LLMStrategy(Strategy):
         if self.kernel is None:
             raise ModelError(f"tuner model {path}: no kernel given for this search space")
         name = self.kernel.name
-        known = self.proposer.m.info.spaces().get(name)
+        why = self.proposer.m.info.incompatibility(name, self.space.params)
+        if why:
+            raise ModelError(f"tuner model {path} is incompatible: {why}")
+        known = self.proposer.m.info.spaces()[name]
         mine = {p.name: [str(v) for v in p.values] for p in self.space.params}
-        if known is None:
-            raise ModelError(f"tuner model {path} is incompatible: it was not trained on kernel {name}")
-        if not set(known) & set(mine):
-            raise ModelError(f"tuner model {path} is incompatible: it knows none of kernel {name}'s knobs")
         if known != mine:  # an older model for a kernel whose knobs changed: it proposes the knobs it knows
             from tuner.model.proposer import unknown_knobs
 

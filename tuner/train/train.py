@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -94,8 +95,11 @@ def hw_variants(hw: dict, rng: random.Random, n: int = HW_VARIANTS) -> list[dict
             for _ in range(n)]
 
 
-def spaces_meta() -> dict:
-    return {n: {p.name: [str(v) for v in p.values] for p in s.params} for n, s in all_specs().items()}
+def spaces_meta(kernels: Iterable[str] | None = None) -> dict:
+    """The knob spaces a model was trained for, by kernel: the strategy refuses a model for a kernel it lacks or
+    whose knobs changed since (tuner.strategies.llm), so name only kernels the training data covered."""
+    keep = set(all_specs()) if kernels is None else set(kernels)
+    return {n: {p.name: [str(v) for v in p.values] for p in s.params} for n, s in all_specs().items() if n in keep}
 
 
 def draw_histories(train: list[D.Case], n: int, seed: int) -> dict[int, list[list[tuple[dict, float]]]]:
@@ -355,7 +359,7 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
         q8 = Path(td) / f"{name}.Q8_0.gguf"
         meta = {"name": name, "version": version, "dataset_sha256": dataset_sha, "prompt_format": PROMPT_FORMAT,
                 "training": training}
-        write_f16(model, proto, f16, meta | {"spaces": spaces_meta()})
+        write_f16(model, proto, f16, meta | {"spaces": spaces_meta({c.kernel for c in train})})
         quantize_q8_0(f16, q8, r.threads)
         probe_seqs = seqs[:: max(1, len(seqs) // 4)][:4] + hist_seqs[:2]  # with and without a history
         agree_f16 = agreement(model, f16, probe_seqs)
