@@ -6,11 +6,15 @@
  * The real FFT is an n_fft/2-point complex FFT (even samples real, odd samples imaginary) plus a split step.
  * A tile of FV*VEC frames is transformed at once in a frames-innermost layout, so every butterfly, the power
  * spectrum and the filterbank are whole-vector operations with broadcast twiddles/weights (no shuffles).
+ * et_pack prepares the constant inputs once (see lm_packed): the bit-reversal table, each filter's nonzero bin
+ * range, and the filterbank transposed so a filter's weights are read contiguously; a call only allocates its
+ * per-thread scratch tiles.
  * Knobs: FV frame vectors per tile, VEC floats per vector, GATHER_FRAME | GATHER_POINT (framing loop order: each
  * frame's samples in turn, scattered into the tile, or each FFT point across the tile's frames), FFT_R2 | FFT_R4
  * (radix-2 passes, or two radix-2 stages fused per pass: half the passes over the tile), MEL_DENSE | MEL_SPARSE
- * (all bins, or only each filter's nonzero bin range, found by a scan of the filterbank), UNROLL of the butterfly,
- * split and filterbank loops, PREFETCH of the audio PREFETCH frames ahead (0 = off), THREADS over frame tiles.
+ * (all bins, or only each filter's nonzero bin range, found by et_pack's scan of the filterbank), UNROLL of the
+ * butterfly, split and filterbank loops, PREFETCH of the audio PREFETCH frames ahead (0 = off), THREADS over frame
+ * tiles (each thread a contiguous share, with its own scratch tile).
  */
 #ifndef ET_FV
 #define ET_FV 2
@@ -27,6 +31,7 @@
 #if !defined(ET_MEL_DENSE) && !defined(ET_MEL_SPARSE)
 #define ET_MEL_SPARSE
 #endif
+#define ET_PACKS
 #include <stdlib.h>
 
 #include "edgetune_kernel.h"
@@ -169,24 +174,75 @@ static void fft_tile(float *re, float *im, int64_t M, int64_t N, const float *tw
     }
 }
 
+/* Packed (et_pack, once per filterbank): the bit-reversal table [M] and each filter's bin range lo/hi [mels]
+ * (int32 bits), the window [N], the twiddles [2][M], the filterbank transposed to [mels][bins] so a filter's
+ * weights are contiguous. */
 typedef struct {
-    const float *audio, *win, *twr, *twi, *fb;
-    float *out, *scratch;
     const int32_t *rev, *lo, *hi;
-    int64_t N, hop, mels, M, frames, tiles, per;
+    const float *win, *twr, *twi, *fbt;
+} lm_packed;
+
+static inline int64_t lm_rev_lo_hi(int64_t M, int64_t mels) { return (M + 2 * mels + 15) & ~(int64_t)15; }
+
+static lm_packed lm_layout(const float *packed, int64_t N, int64_t mels) {
+    const int64_t M = N / 2, o = lm_rev_lo_hi(M, mels);
+    const int32_t *rev = (const int32_t *)packed;
+    return (lm_packed){rev, rev + M, rev + M + mels, packed + o, packed + o + N, packed + o + N + M,
+                       packed + o + 2 * N};
+}
+
+static int64_t et_kernel_packed_floats(const int64_t *dims) {
+    const int64_t N = dims[1], mels = dims[3];
+    return lm_rev_lo_hi(N / 2, mels) + 2 * N + mels * (N / 2 + 1);
+}
+
+static int et_kernel_pack(const int64_t *dims, float *const *bufs, float *packed) {
+    const int64_t N = dims[1], mels = dims[3], M = N / 2, bins = M + 1;
+    if (N < 2 || (N & (N - 1)) || mels < 1) return 1;
+    const float *fb = bufs[3];
+    lm_packed p = lm_layout(packed, N, mels);
+    int32_t *rev = (int32_t *)p.rev, *lo = (int32_t *)p.lo, *hi = (int32_t *)p.hi;
+    int bits = 0;
+    while ((1LL << bits) < M) bits++;
+    for (int64_t n = 0; n < M; n++) {
+        int64_t r = 0;
+        for (int b = 0; b < bits; b++) r |= ((n >> b) & 1) << (bits - 1 - b);
+        rev[n] = (int32_t)r;
+    }
+    for (int64_t m = 0; m < mels; m++) {
+#ifdef ET_MEL_SPARSE
+        lo[m] = (int32_t)bins, hi[m] = 0;
+        for (int64_t k = 0; k < bins; k++)
+            if (fb[k * mels + m] != 0.0f) {
+                if (lo[m] > k) lo[m] = (int32_t)k;
+                hi[m] = (int32_t)(k + 1);
+            }
+#else
+        lo[m] = 0, hi[m] = (int32_t)bins;
+#endif
+        for (int64_t k = 0; k < bins; k++) ((float *)p.fbt)[m * bins + k] = fb[k * mels + m];
+    }
+    memcpy((float *)p.win, bufs[1], sizeof(float) * N);
+    memcpy((float *)p.twr, bufs[2], sizeof(float) * N); /* cos then -sin, [2][M] */
+    return 0;
+}
+
+typedef struct {
+    const float *audio;
+    float *out, *scratch;
+    lm_packed p;
+    int64_t N, hop, mels, frames, tiles, per;
 } lm_args;
 
-/* Thread p's frame tiles, in its own scratch. */
-static void lm_thread(void *ctx, int p) {
+/* One thread's contiguous share of the frame tiles. */
+static void lm_thread(void *ctx, int tid) {
     const lm_args *a = ctx;
-    const float *audio = a->audio, *win = a->win, *twr = a->twr, *twi = a->twi, *fb = a->fb;
+    const int64_t N = a->N, M = N / 2, hop = a->hop, mels = a->mels, bins = M + 1, frames = a->frames;
+    const int32_t *rev = a->p.rev, *lo = a->p.lo, *hi = a->p.hi;
+    const float *win = a->p.win, *twr = a->p.twr, *twi = a->p.twi, *fbt = a->p.fbt, *audio = a->audio;
     float *out = a->out;
-    const int32_t *rev = a->rev, *lo = a->lo, *hi = a->hi;
-    const int64_t N = a->N, hop = a->hop, mels = a->mels, M = a->M, frames = a->frames, tiles = a->tiles;
-    const int64_t per = a->per;
-    float *scratch = a->scratch;
-    float *re = scratch + p * per, *im = re + M * FT, *pw = im + M * FT;
-    const int64_t t0 = tiles * p / ET_THREADS, t1 = tiles * (p + 1) / ET_THREADS;
+    float *re = a->scratch + tid * a->per, *im = re + M * FT, *pw = im + M * FT;
+    const int64_t t0 = a->tiles * tid / ET_THREADS, t1 = a->tiles * (tid + 1) / ET_THREADS;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t f0 = t * FT, nf = frames - f0 < FT ? frames - f0 : FT;
         /* gather: window, split even/odd samples into re/im, bit-reversed point order, frames innermost */
@@ -258,7 +314,7 @@ static void lm_thread(void *ctx, int p) {
             const int64_t k1 = hi[m];
             ET_PRAGMA_UNROLL(ET_UNROLL)
             for (int64_t k = lo[m]; k < k1; k++) {
-                const et_vf w = et_splat(fb[k * mels + m]);
+                const et_vf w = et_splat(fbt[m * bins + k]);
                 for (int v = 0; v < ET_FV; v++) acc[v] += w * LD(pw + k * FT + v * ET_VEC);
             }
             for (int v = 0; v < ET_FV; v++) {
@@ -272,51 +328,17 @@ static void lm_thread(void *ctx, int p) {
     }
 }
 
+
 static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
-    (void)packed, (void)act;
+    (void)act;
     const int64_t S = dims[0], N = dims[1], hop = dims[2], mels = dims[3];
     if (N < 2 || (N & (N - 1)) || S < N || hop < 1 || mels < 1) return 1;
-    const float *audio = bufs[0], *win = bufs[1], *twr = bufs[2], *twi = bufs[2] + N / 2, *fb = bufs[3];
-    float *out = bufs[4];
     const int64_t M = N / 2, bins = M + 1, frames = 1 + (S - N) / hop;
-    const int64_t tiles = (frames + FT - 1) / FT;
-    const int64_t per = (2 * M + bins) * FT; /* floats of scratch per thread: re, im, power */
-
-    /* Per call: bit-reversal table, each filter's nonzero bin range, one scratch tile per thread. */
-    int32_t *rev = malloc(sizeof(int32_t) * (M + 2 * mels));
-    float *scratch = aligned_alloc(64, sizeof(float) * ((per * ET_THREADS + 15) & ~(int64_t)15));
-    if (!rev || !scratch) {
-        free(rev);
-        free(scratch);
-        return 2;
-    }
-    int32_t *lo = rev + M, *hi = lo + mels;
-    {
-        int bits = 0;
-        while ((1LL << bits) < M) bits++;
-        for (int64_t n = 0; n < M; n++) {
-            int64_t r = 0;
-            for (int b = 0; b < bits; b++) r |= ((n >> b) & 1) << (bits - 1 - b);
-            rev[n] = (int32_t)r;
-        }
-    }
-#ifdef ET_MEL_SPARSE
-    for (int64_t m = 0; m < mels; m++) lo[m] = (int32_t)bins, hi[m] = 0;
-    for (int64_t k = 0; k < bins; k++) {
-        const float *row = fb + k * mels;
-        for (int64_t m = 0; m < mels; m++)
-            if (row[m] != 0.0f) {
-                if (lo[m] > k) lo[m] = (int32_t)k;
-                hi[m] = (int32_t)(k + 1);
-            }
-    }
-#else
-    for (int64_t m = 0; m < mels; m++) lo[m] = 0, hi[m] = (int32_t)bins;
-#endif
-
-    const lm_args a = {audio, win, twr, twi, fb, out, scratch, rev, lo, hi, N, hop, mels, M, frames, tiles, per};
-    const int rc = et_parallel(lm_thread, (void *)&a);
-    free(rev);
-    free(scratch);
+    lm_args a = {bufs[0], bufs[4], NULL, lm_layout(packed, N, mels), N, hop, mels, frames, (frames + FT - 1) / FT,
+                 (2 * M + bins) * FT};
+    a.scratch = aligned_alloc(64, sizeof(float) * ((a.per * ET_THREADS + 15) & ~(int64_t)15));
+    if (!a.scratch) return ET_ERR_NOMEM;
+    const int rc = et_parallel(lm_thread, &a);
+    free(a.scratch);
     return rc;
 }
