@@ -15,8 +15,9 @@
  * step. The recurrence then computes R h for the step's units and the gate math.
  * Knobs: LAYOUT_COLS | LAYOUT_ROWS; ORDER_PRE | ORDER_STEP; UT units (rows) or unit vectors (cols) per register
  * tile, times 3 gates; MT time steps per register tile of the input GEMM; VEC; UNROLL of the inner product loop;
- * PREFETCH distance in weight rows; THREADS over the hidden units (each thread computes its units' projections for
- * every step and their recurrence; a spin barrier per step).
+ * PREFETCH distance in weight rows; THREADS over the hidden units, PAR_UNITS (each thread computes its units'
+ * input projections and their recurrence, a spin barrier per step) | PAR_GEMM (threads share the input GEMM's
+ * work items, then the calling thread runs the recurrence alone: nothing waits on a preempted thread per step).
  */
 #ifndef ET_UT
 #define ET_UT 2
@@ -33,6 +34,9 @@
 #if !defined(ET_ORDER_PRE) && !defined(ET_ORDER_STEP)
 #define ET_ORDER_PRE
 #endif
+#if !defined(ET_PAR_UNITS) && !defined(ET_PAR_GEMM)
+#define ET_PAR_UNITS
+#endif
 #define ET_PACKS
 #include <math.h>
 
@@ -40,6 +44,9 @@
 
 #if ET_MT < 1 || ET_MT > 4
 #error "ET_MT must be in 1..4"
+#endif
+#if defined(ET_PAR_GEMM) && (ET_THREADS < 2 || !defined(ET_ORDER_PRE))
+#error "ET_PAR_GEMM splits the input GEMM of ORDER_PRE over threads"
 #endif
 
 static inline int64_t padded(int64_t H) { return (H + ET_VEC - 1) / ET_VEC * ET_VEC; }
@@ -225,31 +232,34 @@ typedef struct {
 #endif
 } gru_args;
 
-/* One thread's share: hidden units [U0, U1) for every step. */
-static void gru_thread(void *ctx, int p) {
-    gru_args *a = ctx;
-    const int64_t T = a->T, I = a->I, H = a->H, Hp = a->Hp;
-    const int64_t ngr = (Hp + GRU_GRAIN - 1) / GRU_GRAIN;
-    const int64_t U0 = ngr * p / ET_THREADS * GRU_GRAIN, U1e = ngr * (p + 1) / ET_THREADS * GRU_GRAIN;
-    const int64_t U1 = U1e < Hp ? U1e : Hp;
-    float *hb = a->hb, *S = a->S, *G = a->G, *Y = a->Y;
+#ifdef ET_ORDER_PRE
+/* Input projections of hidden units [U0, U1) for steps [t0, t1), MT steps per register tile. */
+static void input_gemm(const gru_args *a, int64_t U0, int64_t U1, int64_t t0, int64_t t1) {
+    const int64_t I = a->I, H = a->H, os = 3 * a->Hp;
+    int64_t t = t0;
+    for (; t + ET_MT <= t1; t += ET_MT) proj(ET_MT, a->WP, I, H, a->x + t * I, I, a->gb, U0, U1, a->G + t * os, os);
+    for (; t < t1; t++) proj(1, a->WP, I, H, a->x + t * I, I, a->gb, U0, U1, a->G + t * os, os);
+}
+#endif
+
+/* The recurrence for hidden units [U0, U1); with SYNC, the other threads run the other units and every step ends
+ * at the barrier (each step reads all of the previous hidden state). */
+ET_INLINE void recurrence(gru_args *a, int64_t U0, int64_t U1, const int SYNC) {
+    const int64_t T = a->T, H = a->H, Hp = a->Hp;
+    float *hb = a->hb, *S = a->S, *Y = a->Y;
 #if ET_THREADS > 1
     int sense = 0;
-#endif
-#ifdef ET_ORDER_PRE
-    /* the input GEMM for this thread's units, MT steps per register tile */
-    int64_t t = 0;
-    for (; t + ET_MT <= T; t += ET_MT) proj(ET_MT, a->WP, I, H, a->x + t * I, I, a->gb, U0, U1, G + t * 3 * Hp, 3 * Hp);
-    for (; t < T; t++) proj(1, a->WP, I, H, a->x + t * I, I, a->gb, U0, U1, G + t * 3 * Hp, 3 * Hp);
+#else
+    (void)SYNC;
 #endif
     for (int64_t t = 0; t < T; t++) {
         const float *hp = hb + (t & 1) * Hp;
         float *hn = hb + ((t + 1) & 1) * Hp, *y = Y + t * H;
 #ifdef ET_ORDER_PRE
-        const float *g = G + t * 3 * Hp;
+        const float *g = a->G + t * 3 * Hp;
 #else
-        float *g = G;
-        proj(1, a->WP, I, H, a->x + t * I, I, a->gb, U0, U1, g, 0);
+        float *g = a->G;
+        proj(1, a->WP, a->I, H, a->x + t * a->I, a->I, a->gb, U0, U1, g, 0);
 #endif
         proj(1, a->RP, H, H, hp, 0, a->rb, U0, U1, S, 0);
         for (int64_t u = U0; u < U1 && u < H; u += ET_VEC) {
@@ -264,10 +274,33 @@ static void gru_thread(void *ctx, int p) {
                 for (int64_t j = 0; u + j < H; j++) y[u + j] = h[j];
         }
 #if ET_THREADS > 1
-        gru_barrier(&a->bar, &sense);
+        if (SYNC) gru_barrier(&a->bar, &sense);
 #endif
     }
 }
+
+#ifdef ET_PAR_GEMM
+#define GEMM_STEPS 16 /* steps per work item of the threaded input GEMM (a multiple of MT) */
+/* Work item i of the input GEMM: one grain of units x GEMM_STEPS steps. Items are claimed dynamically (a thread
+ * that is not running leaves its items to the others), and no thread waits for another until the GEMM ends. */
+static void gemm_item(void *ctx, int64_t i) {
+    const gru_args *a = ctx;
+    const int64_t ngr = (a->Hp + GRU_GRAIN - 1) / GRU_GRAIN, u = i % ngr * GRU_GRAIN, t = i / ngr * GEMM_STEPS;
+    input_gemm(a, u, u + GRU_GRAIN < a->Hp ? u + GRU_GRAIN : a->Hp, t, t + GEMM_STEPS < a->T ? t + GEMM_STEPS : a->T);
+}
+#else
+/* Thread p: its share of the hidden units (whole grains), in the input GEMM and in every step of the recurrence. */
+static void gru_thread(void *ctx, int p) {
+    gru_args *a = ctx;
+    const int64_t Hp = a->Hp, ngr = (Hp + GRU_GRAIN - 1) / GRU_GRAIN;
+    const int64_t U0 = ngr * p / ET_THREADS * GRU_GRAIN, U1e = ngr * (p + 1) / ET_THREADS * GRU_GRAIN;
+    const int64_t U1 = U1e < Hp ? U1e : Hp;
+#ifdef ET_ORDER_PRE
+    input_gemm(a, U0, U1, 0, a->T);
+#endif
+    recurrence(a, U0, U1, 1);
+}
+#endif
 
 static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
     (void)act;
@@ -287,7 +320,13 @@ static int et_kernel(const int64_t *dims, float *const *bufs, const float *packe
                   .G = scr + 5 * Hp, .T = T, .I = I, .H = H, .Hp = Hp};
     memset(a.hb, 0, sizeof(float) * 2 * Hp);
     memcpy(a.hb, bufs[4], sizeof(float) * H);
+#ifdef ET_PAR_GEMM
+    const int64_t ngr = (Hp + GRU_GRAIN - 1) / GRU_GRAIN;
+    int rc = et_parallel_for(ngr * ((T + GEMM_STEPS - 1) / GEMM_STEPS), gemm_item, &a);
+    if (!rc) recurrence(&a, 0, Hp, 0);
+#else
     const int rc = et_parallel(gru_thread, &a);
+#endif
     free(scr);
     return rc;
 }
