@@ -20,16 +20,16 @@
  * input rows that the row tile PREFETCH tiles below starts on (0 = off), THREADS over the work items.
  */
 #ifndef ET_CV
-#define ET_CV 1
+#define ET_CV 2
 #endif
 #ifndef ET_WT
-#define ET_WT 4
+#define ET_WT 3
 #endif
 #ifndef ET_RT
 #define ET_RT 2
 #endif
 #if !defined(ET_ORDER_ROWS) && !defined(ET_ORDER_CHANNELS) && !defined(ET_ORDER_PIXELS)
-#define ET_ORDER_ROWS
+#define ET_ORDER_PIXELS
 #endif
 #define ET_EPILOGUE
 #define ET_PACKS

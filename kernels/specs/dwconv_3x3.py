@@ -106,7 +106,7 @@ SPEC = KernelSpec(
         Constraint("rt beyond the output height only repeats a smaller tile",
                    lambda c, s, hw: c["rt"] <= max(1, out_size(s["H"], s["stride"]))),
     ),
-    default={"cv": 1, "wt": 4, "rt": 2, "vec": 8, "order": "rows", "prefetch": 0, "threads": 1},
+    default={"cv": 2, "wt": 3, "rt": 2, "vec": 8, "order": "pixels", "prefetch": 0, "threads": 1},
     workloads=(
         Workload("mobilenetv2.b2.dw", {"H": 56, "W": 56, "C": 144, "stride": 1},
                  "MobileNetV2 block 2 depthwise 3x3, 56x56x144, stride 1"),
