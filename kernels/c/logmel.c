@@ -14,7 +14,7 @@
  * (radix-2 passes, or two radix-2 stages fused per pass: half the passes over the tile), MEL_DENSE | MEL_SPARSE
  * (all bins, or only each filter's nonzero bin range, found by et_pack's scan of the filterbank), UNROLL of the
  * butterfly, split and filterbank loops, PREFETCH of the audio PREFETCH frames ahead (0 = off), THREADS over frame
- * tiles (each thread a contiguous share, with its own scratch tile).
+ * tiles (claimed dynamically, each run in one of THREADS scratch slots).
  */
 #ifndef ET_FV
 #define ET_FV 2
@@ -232,113 +232,119 @@ typedef struct {
     float *out, *scratch;
     lm_packed p;
     int64_t N, hop, mels, frames, tiles, per;
+    int busy[ET_THREADS]; /* scratch slot s is in use */
 } lm_args;
 
-/* One thread's contiguous share of the frame tiles. */
-static void lm_thread(void *ctx, int tid) {
-    const lm_args *a = ctx;
+/* A free scratch slot: at most ET_THREADS tiles run at once (one per thread), so one is always free. */
+static int claim_slot(lm_args *a) {
+    for (;;)
+        for (int s = 0; s < ET_THREADS; s++)
+            if (!__atomic_exchange_n(&a->busy[s], 1, __ATOMIC_ACQUIRE)) return s;
+}
+
+/* Frame tile t, in any thread (tiles are claimed dynamically, so a preempted thread holds up at most one). */
+static void lm_tile(void *ctx, int64_t t) {
+    lm_args *a = ctx;
     const int64_t N = a->N, M = N / 2, hop = a->hop, mels = a->mels, bins = M + 1, frames = a->frames;
     const int32_t *rev = a->p.rev, *lo = a->p.lo, *hi = a->p.hi;
     const float *win = a->p.win, *twr = a->p.twr, *twi = a->p.twi, *fbt = a->p.fbt, *audio = a->audio;
     float *out = a->out;
-    float *re = a->scratch + tid * a->per, *im = re + M * FT, *pw = im + M * FT;
-    const int64_t t0 = a->tiles * tid / ET_THREADS, t1 = a->tiles * (tid + 1) / ET_THREADS;
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t f0 = t * FT, nf = frames - f0 < FT ? frames - f0 : FT;
-        /* gather: window, split even/odd samples into re/im, bit-reversed point order, frames innermost */
+    const int slot = claim_slot(a);
+    float *re = a->scratch + slot * a->per, *im = re + M * FT, *pw = im + M * FT;
+    const int64_t f0 = t * FT, nf = frames - f0 < FT ? frames - f0 : FT;
+    /* gather: window, split even/odd samples into re/im, bit-reversed point order, frames innermost */
 #ifdef ET_GATHER_POINT
-        /* points outer, frames inner: strided reads (one hop apart), contiguous writes */
-        for (int64_t f = nf; f < FT; f++)
-            for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
-        {
-            const float *src0 = audio + f0 * hop;
+    /* points outer, frames inner: strided reads (one hop apart), contiguous writes */
+    for (int64_t f = nf; f < FT; f++)
+        for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
+    {
+        const float *src0 = audio + f0 * hop;
 #if ET_PREFETCH > 0
-            /* the audio that the next PREFETCH frames after this tile add */
-            if (f0 + FT < frames)
-                for (int64_t o = 0; o < ET_PREFETCH * hop; o += 16)
-                    __builtin_prefetch(src0 + (FT - 1) * hop + N + o, 0, 3);
+        /* the audio that the next PREFETCH frames after this tile add */
+        if (f0 + FT < frames)
+            for (int64_t o = 0; o < ET_PREFETCH * hop; o += 16)
+                __builtin_prefetch(src0 + (FT - 1) * hop + N + o, 0, 3);
 #endif
-            for (int64_t n = 0; n < M; n++) {
-                const int64_t j = rev[n];
-                const float we = win[2 * n], wo = win[2 * n + 1];
-                float *dr = re + j * FT, *di = im + j * FT;
-                for (int64_t f = 0; f < nf; f++) {
-                    dr[f] = src0[f * hop + 2 * n] * we;
-                    di[f] = src0[f * hop + 2 * n + 1] * wo;
-                }
-            }
-        }
-#else
-        for (int64_t f = 0; f < FT; f++) {
-            if (f >= nf) {
-                for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
-                continue;
-            }
-            const float *src = audio + (f0 + f) * hop;
-#if ET_PREFETCH > 0
-            if (f0 + f + ET_PREFETCH < frames)
-                for (int64_t o = 0; o < N; o += 16) __builtin_prefetch(src + ET_PREFETCH * hop + o, 0, 3);
-#endif
-            for (int64_t n = 0; n < M; n++) {
-                const int64_t j = rev[n];
-                re[j * FT + f] = src[2 * n] * win[2 * n];
-                im[j * FT + f] = src[2 * n + 1] * win[2 * n + 1];
-            }
-        }
-#endif
-        fft_tile(re, im, M, N, twr, twi);
-        /* split the half-length complex spectrum Z into the real signal's spectrum X, then |X|^2 */
-        for (int v = 0; v < ET_FV; v++) {
-            const int64_t o = v * ET_VEC;
-            et_vf a = LD(re + o), b = LD(im + o);
-            ST(pw + o, (a + b) * (a + b));
-            ST(pw + M * FT + o, (a - b) * (a - b));
-        }
-        ET_PRAGMA_UNROLL(ET_UNROLL)
-        for (int64_t k = 1; k < M; k++) {
-            const et_vf wr = et_splat(twr[k]), wi = et_splat(twi[k]);
-            for (int v = 0; v < ET_FV; v++) {
-                const int64_t o = v * ET_VEC;
-                et_vf a = LD(re + k * FT + o), b = LD(im + k * FT + o);
-                et_vf c = LD(re + (M - k) * FT + o), d = LD(im + (M - k) * FT + o);
-                et_vf er = (a + c) * 0.5f, ei = (b - d) * 0.5f;
-                et_vf or_ = (b + d) * 0.5f, oi = (c - a) * 0.5f;
-                et_vf xr = er + wr * or_ - wi * oi, xi = ei + wr * oi + wi * or_;
-                ST(pw + k * FT + o, xr * xr + xi * xi);
-            }
-        }
-        /* filterbank + log, frames innermost; transposed store into out[frame, mel] */
-        for (int64_t m = 0; m < mels; m++) {
-            et_vf acc[ET_FV];
-            for (int v = 0; v < ET_FV; v++) acc[v] = et_splat(0.0f);
-            const int64_t k1 = hi[m];
-            ET_PRAGMA_UNROLL(ET_UNROLL)
-            for (int64_t k = lo[m]; k < k1; k++) {
-                const et_vf w = et_splat(fbt[m * bins + k]);
-                for (int v = 0; v < ET_FV; v++) acc[v] += w * LD(pw + k * FT + v * ET_VEC);
-            }
-            for (int v = 0; v < ET_FV; v++) {
-                et_vf l = lm_log(acc[v] + 1e-6f);
-                for (int i = 0; i < ET_VEC; i++) {
-                    const int64_t f = v * ET_VEC + i;
-                    if (f < nf) out[(f0 + f) * mels + m] = l[i];
-                }
+        for (int64_t n = 0; n < M; n++) {
+            const int64_t j = rev[n];
+            const float we = win[2 * n], wo = win[2 * n + 1];
+            float *dr = re + j * FT, *di = im + j * FT;
+            for (int64_t f = 0; f < nf; f++) {
+                dr[f] = src0[f * hop + 2 * n] * we;
+                di[f] = src0[f * hop + 2 * n + 1] * wo;
             }
         }
     }
+#else
+    for (int64_t f = 0; f < FT; f++) {
+        if (f >= nf) {
+            for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
+            continue;
+        }
+        const float *src = audio + (f0 + f) * hop;
+#if ET_PREFETCH > 0
+        if (f0 + f + ET_PREFETCH < frames)
+            for (int64_t o = 0; o < N; o += 16) __builtin_prefetch(src + ET_PREFETCH * hop + o, 0, 3);
+#endif
+        for (int64_t n = 0; n < M; n++) {
+            const int64_t j = rev[n];
+            re[j * FT + f] = src[2 * n] * win[2 * n];
+            im[j * FT + f] = src[2 * n + 1] * win[2 * n + 1];
+        }
+    }
+#endif
+    fft_tile(re, im, M, N, twr, twi);
+    /* split the half-length complex spectrum Z into the real signal's spectrum X, then |X|^2 */
+    for (int v = 0; v < ET_FV; v++) {
+        const int64_t o = v * ET_VEC;
+        et_vf a = LD(re + o), b = LD(im + o);
+        ST(pw + o, (a + b) * (a + b));
+        ST(pw + M * FT + o, (a - b) * (a - b));
+    }
+    ET_PRAGMA_UNROLL(ET_UNROLL)
+    for (int64_t k = 1; k < M; k++) {
+        const et_vf wr = et_splat(twr[k]), wi = et_splat(twi[k]);
+        for (int v = 0; v < ET_FV; v++) {
+            const int64_t o = v * ET_VEC;
+            et_vf a = LD(re + k * FT + o), b = LD(im + k * FT + o);
+            et_vf c = LD(re + (M - k) * FT + o), d = LD(im + (M - k) * FT + o);
+            et_vf er = (a + c) * 0.5f, ei = (b - d) * 0.5f;
+            et_vf or_ = (b + d) * 0.5f, oi = (c - a) * 0.5f;
+            et_vf xr = er + wr * or_ - wi * oi, xi = ei + wr * oi + wi * or_;
+            ST(pw + k * FT + o, xr * xr + xi * xi);
+        }
+    }
+    /* filterbank + log, frames innermost; transposed store into out[frame, mel] */
+    for (int64_t m = 0; m < mels; m++) {
+        et_vf acc[ET_FV];
+        for (int v = 0; v < ET_FV; v++) acc[v] = et_splat(0.0f);
+        const int64_t k1 = hi[m];
+        ET_PRAGMA_UNROLL(ET_UNROLL)
+        for (int64_t k = lo[m]; k < k1; k++) {
+            const et_vf w = et_splat(fbt[m * bins + k]);
+            for (int v = 0; v < ET_FV; v++) acc[v] += w * LD(pw + k * FT + v * ET_VEC);
+        }
+        for (int v = 0; v < ET_FV; v++) {
+            et_vf l = lm_log(acc[v] + 1e-6f);
+            for (int i = 0; i < ET_VEC; i++) {
+                const int64_t f = v * ET_VEC + i;
+                if (f < nf) out[(f0 + f) * mels + m] = l[i];
+            }
+        }
+    }
+    __atomic_store_n(&a->busy[slot], 0, __ATOMIC_RELEASE);
 }
-
 
 static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
     (void)act;
     const int64_t S = dims[0], N = dims[1], hop = dims[2], mels = dims[3];
     if (N < 2 || (N & (N - 1)) || S < N || hop < 1 || mels < 1) return 1;
     const int64_t M = N / 2, bins = M + 1, frames = 1 + (S - N) / hop;
-    lm_args a = {bufs[0], bufs[4], NULL, lm_layout(packed, N, mels), N, hop, mels, frames, (frames + FT - 1) / FT,
-                 (2 * M + bins) * FT};
+    lm_args a = {.audio = bufs[0], .out = bufs[4], .p = lm_layout(packed, N, mels), .N = N, .hop = hop,
+                 .mels = mels, .frames = frames, .tiles = (frames + FT - 1) / FT, .per = (2 * M + bins) * FT};
     a.scratch = aligned_alloc(64, sizeof(float) * ((a.per * ET_THREADS + 15) & ~(int64_t)15));
     if (!a.scratch) return ET_ERR_NOMEM;
-    const int rc = et_parallel(lm_thread, &a);
+    const int rc = et_parallel_for(a.tiles, lm_tile, &a);
     free(a.scratch);
     return rc;
 }

@@ -92,11 +92,11 @@ SPEC = KernelSpec(
         enum("layout", "rows", "cols", help="W/R packed row-major (dot products, horizontal sums) or as panels of "
              "ut*vec units (broadcast-FMA over unit vectors)"),
         enum("order", "pre", "step", help="input projections for all steps first (one GEMM), or inside each step"),
-        PREFETCH,
-        THREADS,
         enum("par", "units", "gemm", help="what threads split: the hidden units of the input GEMM and of every "
              "recurrent step (a barrier per step), or the input GEMM only (one thread runs the recurrence: no "
              "per-step sync)"),
+        PREFETCH,
+        THREADS,
     ),
     constraints=(
         VEC_FITS_ISA,
