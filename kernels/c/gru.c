@@ -11,8 +11,9 @@
  * tile streams its panel sequentially with broadcast-FMAs over vectors of units. With LAYOUT_ROWS they keep their
  * row-major order and a tile takes dot products along rows (horizontal sums at the end).
  * ORDER_PRE computes the input projections of all T steps first, as one GEMM whose register tile is MT steps x
- * 3 gates x UT unit vectors (each weight vector loaded once feeds MT steps); ORDER_STEP computes W x_t inside each
- * step. The recurrence then computes R h for the step's units and the gate math.
+ * 3 gates x UT unit vectors (each weight vector loaded once feeds MT steps, each broadcast input feeds 3*UT
+ * vectors; the same tile as the recurrence's, with MT = 1 there); ORDER_STEP computes W x_t inside each step.
+ * The recurrence then computes R h for the step's units and the gate math.
  * Knobs: LAYOUT_COLS | LAYOUT_ROWS; ORDER_PRE | ORDER_STEP; UT units (rows) or unit vectors (cols) per register
  * tile, times 3 gates; MT time steps per register tile of the input GEMM; VEC; UNROLL of the inner product loop;
  * PREFETCH distance in weight rows; THREADS over the hidden units, PAR_UNITS (each thread computes its units'
