@@ -24,7 +24,7 @@
 #define ET_UT 2
 #endif
 #ifndef ET_MT
-#define ET_MT 1
+#define ET_MT 2
 #endif
 #ifndef ET_UNROLL
 #define ET_UNROLL 2
