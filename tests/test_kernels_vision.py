@@ -50,10 +50,10 @@ def _naive_conv(x: np.ndarray, w: np.ndarray, stride: int, depthwise: bool) -> n
     return y
 
 
-def _check(spec, shape, cfgs, hw, runner):
+def _check(spec, shape, cfgs, hw, runner, act="none"):
     for cfg in cfgs:
-        m = runner.measure(spec, shape, build(spec, cfg, hw).path, **FAST)
-        assert m.ok, f"{spec.name} {shape} {cfg}: {m.reason}"
+        m = runner.measure(spec, shape, build(spec, cfg, hw).path, act=act, **FAST)
+        assert m.ok, f"{spec.name} {shape} {cfg} act={act}: {m.reason}"
 
 
 def _widest_vec(hw) -> int:
@@ -99,10 +99,31 @@ def test_both_strides_every_loop_order(stride, hw, runner):
             _check(conv, shape, [cfg], hw, runner)
     dw = get_spec("dwconv_3x3")
     shape = {"H": 11, "W": 13, "C": 3 * v + 5, "stride": stride}
-    for order in ("c_outer", "px_outer"):
-        for rt in (1, 2, 4):
-            cfg = dict(dw.space(shape, hw).valid_default(), order=order, rt=rt, vec=v, cv=2, wt=2, prefetch=2)
-            _check(dw, shape, [cfg], hw, runner)
+    for order in ("rows", "channels", "pixels"):
+        for rt in (1, 2, 3, 4):
+            cfg = dict(dw.space(shape, hw).valid_default(), order=order, rt=rt, vec=v, cv=2, wt=2, prefetch=1)
+            _check(dw, shape, [cfg], hw, runner, act="relu6")
+
+
+def test_dwconv_every_knob_value_and_activation(hw, runner):
+    """Each value of each dwconv knob, in the valid config nearest the default, on a shape with borders, a channel
+    tail (C not a multiple of any tile) and a partial last row tile, each with a fused activation."""
+    dw = get_spec("dwconv_3x3")
+    shape = {"H": 11, "W": 19, "C": 69, "stride": 1}
+    space = dw.space(shape, hw)
+    base, valid = space.valid_default(), list(space.enumerate())
+    cfgs = {tuple(sorted(base.items())): base}
+    for p in dw.params:
+        for v in p.values:
+            with_v = [c for c in valid if c[p.name] == v]
+            if not with_v:  # only a hardware limit may rule a value out
+                assert p.name in ("vec", "threads"), f"{p.name}={v} is never valid on {shape}"
+                continue
+            cfg = min(with_v, key=lambda c: space.distance(c, base))
+            cfgs.setdefault(tuple(sorted(cfg.items())), cfg)
+    acts = ("none", "relu", "relu6")
+    for i, cfg in enumerate(cfgs.values()):
+        _check(dw, dict(shape, stride=1 + i % 2), [cfg], hw, runner, act=acts[i % 3])
 
 
 def test_configs_tuned_for_other_shapes_stay_correct(hw, runner):
@@ -115,7 +136,7 @@ def test_configs_tuned_for_other_shapes_stay_correct(hw, runner):
                   {"H": 3, "W": 2, "Cin": 1, "Cout": 5, "stride": 2}):
         _check(conv, shape, [big], hw, runner)
     dw = get_spec("dwconv_3x3")
-    big = dict(dw.default, vec=v, cv=2, wt=2, rt=4, order="px_outer")
+    big = dict(dw.default, vec=v, cv=2, wt=2, rt=4, order="pixels")
     for shape in ({"H": 1, "W": 1, "C": 3, "stride": 1}, {"H": 3, "W": 2, "C": v + 1, "stride": 2},
                   {"H": 5, "W": 9, "C": 3 * v, "stride": 1}):
         _check(dw, shape, [big], hw, runner)

@@ -6,11 +6,15 @@
  * The real FFT is an n_fft/2-point complex FFT (even samples real, odd samples imaginary) plus a split step.
  * A tile of FV*VEC frames is transformed at once in a frames-innermost layout, so every butterfly, the power
  * spectrum and the filterbank are whole-vector operations with broadcast twiddles/weights (no shuffles).
+ * et_pack prepares the constant inputs once (see lm_packed): the bit-reversal table, each filter's nonzero bin
+ * range, and the filterbank transposed so a filter's weights are read contiguously; a call only allocates its
+ * per-thread scratch tiles.
  * Knobs: FV frame vectors per tile, VEC floats per vector, GATHER_FRAME | GATHER_POINT (framing loop order: each
  * frame's samples in turn, scattered into the tile, or each FFT point across the tile's frames), FFT_R2 | FFT_R4
  * (radix-2 passes, or two radix-2 stages fused per pass: half the passes over the tile), MEL_DENSE | MEL_SPARSE
- * (all bins, or only each filter's nonzero bin range, found by a scan of the filterbank), UNROLL of the butterfly,
- * split and filterbank loops, PREFETCH of the audio PREFETCH frames ahead (0 = off), THREADS over frame tiles.
+ * (all bins, or only each filter's nonzero bin range, found by et_pack's scan of the filterbank), UNROLL of the
+ * butterfly, split and filterbank loops, PREFETCH of the audio PREFETCH frames ahead (0 = off), THREADS over frame
+ * tiles (claimed dynamically, each run in one of THREADS scratch slots).
  */
 #ifndef ET_FV
 #define ET_FV 2
@@ -27,6 +31,7 @@
 #if !defined(ET_MEL_DENSE) && !defined(ET_MEL_SPARSE)
 #define ET_MEL_SPARSE
 #endif
+#define ET_PACKS
 #include <stdlib.h>
 
 #include "edgetune_kernel.h"
@@ -169,154 +174,177 @@ static void fft_tile(float *re, float *im, int64_t M, int64_t N, const float *tw
     }
 }
 
+/* Packed (et_pack, once per filterbank): the bit-reversal table [M] and each filter's bin range lo/hi [mels]
+ * (int32 bits), the window [N], the twiddles [2][M], the filterbank transposed to [mels][bins] so a filter's
+ * weights are contiguous. */
 typedef struct {
-    const float *audio, *win, *twr, *twi, *fb;
-    float *out, *scratch;
     const int32_t *rev, *lo, *hi;
-    int64_t N, hop, mels, M, frames, tiles, per;
-} lm_args;
+    const float *win, *twr, *twi, *fbt;
+} lm_packed;
 
-/* Thread p's frame tiles, in its own scratch. */
-static void lm_thread(void *ctx, int p) {
-    const lm_args *a = ctx;
-    const float *audio = a->audio, *win = a->win, *twr = a->twr, *twi = a->twi, *fb = a->fb;
-    float *out = a->out;
-    const int32_t *rev = a->rev, *lo = a->lo, *hi = a->hi;
-    const int64_t N = a->N, hop = a->hop, mels = a->mels, M = a->M, frames = a->frames, tiles = a->tiles;
-    const int64_t per = a->per;
-    float *scratch = a->scratch;
-    float *re = scratch + p * per, *im = re + M * FT, *pw = im + M * FT;
-    const int64_t t0 = tiles * p / ET_THREADS, t1 = tiles * (p + 1) / ET_THREADS;
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t f0 = t * FT, nf = frames - f0 < FT ? frames - f0 : FT;
-        /* gather: window, split even/odd samples into re/im, bit-reversed point order, frames innermost */
-#ifdef ET_GATHER_POINT
-        /* points outer, frames inner: strided reads (one hop apart), contiguous writes */
-        for (int64_t f = nf; f < FT; f++)
-            for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
-        {
-            const float *src0 = audio + f0 * hop;
-#if ET_PREFETCH > 0
-            /* the audio that the next PREFETCH frames after this tile add */
-            if (f0 + FT < frames)
-                for (int64_t o = 0; o < ET_PREFETCH * hop; o += 16)
-                    __builtin_prefetch(src0 + (FT - 1) * hop + N + o, 0, 3);
-#endif
-            for (int64_t n = 0; n < M; n++) {
-                const int64_t j = rev[n];
-                const float we = win[2 * n], wo = win[2 * n + 1];
-                float *dr = re + j * FT, *di = im + j * FT;
-                for (int64_t f = 0; f < nf; f++) {
-                    dr[f] = src0[f * hop + 2 * n] * we;
-                    di[f] = src0[f * hop + 2 * n + 1] * wo;
-                }
-            }
-        }
-#else
-        for (int64_t f = 0; f < FT; f++) {
-            if (f >= nf) {
-                for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
-                continue;
-            }
-            const float *src = audio + (f0 + f) * hop;
-#if ET_PREFETCH > 0
-            if (f0 + f + ET_PREFETCH < frames)
-                for (int64_t o = 0; o < N; o += 16) __builtin_prefetch(src + ET_PREFETCH * hop + o, 0, 3);
-#endif
-            for (int64_t n = 0; n < M; n++) {
-                const int64_t j = rev[n];
-                re[j * FT + f] = src[2 * n] * win[2 * n];
-                im[j * FT + f] = src[2 * n + 1] * win[2 * n + 1];
-            }
-        }
-#endif
-        fft_tile(re, im, M, N, twr, twi);
-        /* split the half-length complex spectrum Z into the real signal's spectrum X, then |X|^2 */
-        for (int v = 0; v < ET_FV; v++) {
-            const int64_t o = v * ET_VEC;
-            et_vf a = LD(re + o), b = LD(im + o);
-            ST(pw + o, (a + b) * (a + b));
-            ST(pw + M * FT + o, (a - b) * (a - b));
-        }
-        ET_PRAGMA_UNROLL(ET_UNROLL)
-        for (int64_t k = 1; k < M; k++) {
-            const et_vf wr = et_splat(twr[k]), wi = et_splat(twi[k]);
-            for (int v = 0; v < ET_FV; v++) {
-                const int64_t o = v * ET_VEC;
-                et_vf a = LD(re + k * FT + o), b = LD(im + k * FT + o);
-                et_vf c = LD(re + (M - k) * FT + o), d = LD(im + (M - k) * FT + o);
-                et_vf er = (a + c) * 0.5f, ei = (b - d) * 0.5f;
-                et_vf or_ = (b + d) * 0.5f, oi = (c - a) * 0.5f;
-                et_vf xr = er + wr * or_ - wi * oi, xi = ei + wr * oi + wi * or_;
-                ST(pw + k * FT + o, xr * xr + xi * xi);
-            }
-        }
-        /* filterbank + log, frames innermost; transposed store into out[frame, mel] */
-        for (int64_t m = 0; m < mels; m++) {
-            et_vf acc[ET_FV];
-            for (int v = 0; v < ET_FV; v++) acc[v] = et_splat(0.0f);
-            const int64_t k1 = hi[m];
-            ET_PRAGMA_UNROLL(ET_UNROLL)
-            for (int64_t k = lo[m]; k < k1; k++) {
-                const et_vf w = et_splat(fb[k * mels + m]);
-                for (int v = 0; v < ET_FV; v++) acc[v] += w * LD(pw + k * FT + v * ET_VEC);
-            }
-            for (int v = 0; v < ET_FV; v++) {
-                et_vf l = lm_log(acc[v] + 1e-6f);
-                for (int i = 0; i < ET_VEC; i++) {
-                    const int64_t f = v * ET_VEC + i;
-                    if (f < nf) out[(f0 + f) * mels + m] = l[i];
-                }
-            }
-        }
-    }
+static inline int64_t lm_rev_lo_hi(int64_t M, int64_t mels) { return (M + 2 * mels + 15) & ~(int64_t)15; }
+
+static lm_packed lm_layout(const float *packed, int64_t N, int64_t mels) {
+    const int64_t M = N / 2, o = lm_rev_lo_hi(M, mels);
+    const int32_t *rev = (const int32_t *)packed;
+    return (lm_packed){rev, rev + M, rev + M + mels, packed + o, packed + o + N, packed + o + N + M,
+                       packed + o + 2 * N};
 }
 
-static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
-    (void)packed, (void)act;
-    const int64_t S = dims[0], N = dims[1], hop = dims[2], mels = dims[3];
-    if (N < 2 || (N & (N - 1)) || S < N || hop < 1 || mels < 1) return 1;
-    const float *audio = bufs[0], *win = bufs[1], *twr = bufs[2], *twi = bufs[2] + N / 2, *fb = bufs[3];
-    float *out = bufs[4];
-    const int64_t M = N / 2, bins = M + 1, frames = 1 + (S - N) / hop;
-    const int64_t tiles = (frames + FT - 1) / FT;
-    const int64_t per = (2 * M + bins) * FT; /* floats of scratch per thread: re, im, power */
+static int64_t et_kernel_packed_floats(const int64_t *dims) {
+    const int64_t N = dims[1], mels = dims[3];
+    return lm_rev_lo_hi(N / 2, mels) + 2 * N + mels * (N / 2 + 1);
+}
 
-    /* Per call: bit-reversal table, each filter's nonzero bin range, one scratch tile per thread. */
-    int32_t *rev = malloc(sizeof(int32_t) * (M + 2 * mels));
-    float *scratch = aligned_alloc(64, sizeof(float) * ((per * ET_THREADS + 15) & ~(int64_t)15));
-    if (!rev || !scratch) {
-        free(rev);
-        free(scratch);
-        return 2;
+static int et_kernel_pack(const int64_t *dims, float *const *bufs, float *packed) {
+    const int64_t N = dims[1], mels = dims[3], M = N / 2, bins = M + 1;
+    if (N < 2 || (N & (N - 1)) || mels < 1) return 1;
+    const float *fb = bufs[3];
+    lm_packed p = lm_layout(packed, N, mels);
+    int32_t *rev = (int32_t *)p.rev, *lo = (int32_t *)p.lo, *hi = (int32_t *)p.hi;
+    int bits = 0;
+    while ((1LL << bits) < M) bits++;
+    for (int64_t n = 0; n < M; n++) {
+        int64_t r = 0;
+        for (int b = 0; b < bits; b++) r |= ((n >> b) & 1) << (bits - 1 - b);
+        rev[n] = (int32_t)r;
     }
-    int32_t *lo = rev + M, *hi = lo + mels;
-    {
-        int bits = 0;
-        while ((1LL << bits) < M) bits++;
-        for (int64_t n = 0; n < M; n++) {
-            int64_t r = 0;
-            for (int b = 0; b < bits; b++) r |= ((n >> b) & 1) << (bits - 1 - b);
-            rev[n] = (int32_t)r;
-        }
-    }
+    for (int64_t m = 0; m < mels; m++) {
 #ifdef ET_MEL_SPARSE
-    for (int64_t m = 0; m < mels; m++) lo[m] = (int32_t)bins, hi[m] = 0;
-    for (int64_t k = 0; k < bins; k++) {
-        const float *row = fb + k * mels;
-        for (int64_t m = 0; m < mels; m++)
-            if (row[m] != 0.0f) {
+        lo[m] = (int32_t)bins, hi[m] = 0;
+        for (int64_t k = 0; k < bins; k++)
+            if (fb[k * mels + m] != 0.0f) {
                 if (lo[m] > k) lo[m] = (int32_t)k;
                 hi[m] = (int32_t)(k + 1);
             }
+#else
+        lo[m] = 0, hi[m] = (int32_t)bins;
+#endif
+        for (int64_t k = 0; k < bins; k++) ((float *)p.fbt)[m * bins + k] = fb[k * mels + m];
+    }
+    memcpy((float *)p.win, bufs[1], sizeof(float) * N);
+    memcpy((float *)p.twr, bufs[2], sizeof(float) * N); /* cos then -sin, [2][M] */
+    return 0;
+}
+
+typedef struct {
+    const float *audio;
+    float *out, *scratch;
+    lm_packed p;
+    int64_t N, hop, mels, frames, tiles, per;
+    int busy[ET_THREADS]; /* scratch slot s is in use */
+} lm_args;
+
+/* A free scratch slot: at most ET_THREADS tiles run at once (one per thread), so one is always free. */
+static int claim_slot(lm_args *a) {
+    for (;;)
+        for (int s = 0; s < ET_THREADS; s++)
+            if (!__atomic_exchange_n(&a->busy[s], 1, __ATOMIC_ACQUIRE)) return s;
+}
+
+/* Frame tile t, in any thread (tiles are claimed dynamically, so a preempted thread holds up at most one). */
+static void lm_tile(void *ctx, int64_t t) {
+    lm_args *a = ctx;
+    const int64_t N = a->N, M = N / 2, hop = a->hop, mels = a->mels, bins = M + 1, frames = a->frames;
+    const int32_t *rev = a->p.rev, *lo = a->p.lo, *hi = a->p.hi;
+    const float *win = a->p.win, *twr = a->p.twr, *twi = a->p.twi, *fbt = a->p.fbt, *audio = a->audio;
+    float *out = a->out;
+    const int slot = claim_slot(a);
+    float *re = a->scratch + slot * a->per, *im = re + M * FT, *pw = im + M * FT;
+    const int64_t f0 = t * FT, nf = frames - f0 < FT ? frames - f0 : FT;
+    /* gather: window, split even/odd samples into re/im, bit-reversed point order, frames innermost */
+#ifdef ET_GATHER_POINT
+    /* points outer, frames inner: strided reads (one hop apart), contiguous writes */
+    for (int64_t f = nf; f < FT; f++)
+        for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
+    {
+        const float *src0 = audio + f0 * hop;
+#if ET_PREFETCH > 0
+        /* the audio that the next PREFETCH frames after this tile add */
+        if (f0 + FT < frames)
+            for (int64_t o = 0; o < ET_PREFETCH * hop; o += 16)
+                __builtin_prefetch(src0 + (FT - 1) * hop + N + o, 0, 3);
+#endif
+        for (int64_t n = 0; n < M; n++) {
+            const int64_t j = rev[n];
+            const float we = win[2 * n], wo = win[2 * n + 1];
+            float *dr = re + j * FT, *di = im + j * FT;
+            for (int64_t f = 0; f < nf; f++) {
+                dr[f] = src0[f * hop + 2 * n] * we;
+                di[f] = src0[f * hop + 2 * n + 1] * wo;
+            }
+        }
     }
 #else
-    for (int64_t m = 0; m < mels; m++) lo[m] = 0, hi[m] = (int32_t)bins;
+    for (int64_t f = 0; f < FT; f++) {
+        if (f >= nf) {
+            for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
+            continue;
+        }
+        const float *src = audio + (f0 + f) * hop;
+#if ET_PREFETCH > 0
+        if (f0 + f + ET_PREFETCH < frames)
+            for (int64_t o = 0; o < N; o += 16) __builtin_prefetch(src + ET_PREFETCH * hop + o, 0, 3);
 #endif
+        for (int64_t n = 0; n < M; n++) {
+            const int64_t j = rev[n];
+            re[j * FT + f] = src[2 * n] * win[2 * n];
+            im[j * FT + f] = src[2 * n + 1] * win[2 * n + 1];
+        }
+    }
+#endif
+    fft_tile(re, im, M, N, twr, twi);
+    /* split the half-length complex spectrum Z into the real signal's spectrum X, then |X|^2 */
+    for (int v = 0; v < ET_FV; v++) {
+        const int64_t o = v * ET_VEC;
+        et_vf a = LD(re + o), b = LD(im + o);
+        ST(pw + o, (a + b) * (a + b));
+        ST(pw + M * FT + o, (a - b) * (a - b));
+    }
+    ET_PRAGMA_UNROLL(ET_UNROLL)
+    for (int64_t k = 1; k < M; k++) {
+        const et_vf wr = et_splat(twr[k]), wi = et_splat(twi[k]);
+        for (int v = 0; v < ET_FV; v++) {
+            const int64_t o = v * ET_VEC;
+            et_vf a = LD(re + k * FT + o), b = LD(im + k * FT + o);
+            et_vf c = LD(re + (M - k) * FT + o), d = LD(im + (M - k) * FT + o);
+            et_vf er = (a + c) * 0.5f, ei = (b - d) * 0.5f;
+            et_vf or_ = (b + d) * 0.5f, oi = (c - a) * 0.5f;
+            et_vf xr = er + wr * or_ - wi * oi, xi = ei + wr * oi + wi * or_;
+            ST(pw + k * FT + o, xr * xr + xi * xi);
+        }
+    }
+    /* filterbank + log, frames innermost; transposed store into out[frame, mel] */
+    for (int64_t m = 0; m < mels; m++) {
+        et_vf acc[ET_FV];
+        for (int v = 0; v < ET_FV; v++) acc[v] = et_splat(0.0f);
+        const int64_t k1 = hi[m];
+        ET_PRAGMA_UNROLL(ET_UNROLL)
+        for (int64_t k = lo[m]; k < k1; k++) {
+            const et_vf w = et_splat(fbt[m * bins + k]);
+            for (int v = 0; v < ET_FV; v++) acc[v] += w * LD(pw + k * FT + v * ET_VEC);
+        }
+        for (int v = 0; v < ET_FV; v++) {
+            et_vf l = lm_log(acc[v] + 1e-6f);
+            for (int i = 0; i < ET_VEC; i++) {
+                const int64_t f = v * ET_VEC + i;
+                if (f < nf) out[(f0 + f) * mels + m] = l[i];
+            }
+        }
+    }
+    __atomic_store_n(&a->busy[slot], 0, __ATOMIC_RELEASE);
+}
 
-    const lm_args a = {audio, win, twr, twi, fb, out, scratch, rev, lo, hi, N, hop, mels, M, frames, tiles, per};
-    const int rc = et_parallel(lm_thread, (void *)&a);
-    free(rev);
-    free(scratch);
+static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
+    (void)act;
+    const int64_t S = dims[0], N = dims[1], hop = dims[2], mels = dims[3];
+    if (N < 2 || (N & (N - 1)) || S < N || hop < 1 || mels < 1) return 1;
+    const int64_t M = N / 2, bins = M + 1, frames = 1 + (S - N) / hop;
+    lm_args a = {.audio = bufs[0], .out = bufs[4], .p = lm_layout(packed, N, mels), .N = N, .hop = hop,
+                 .mels = mels, .frames = frames, .tiles = (frames + FT - 1) / FT, .per = (2 * M + bins) * FT};
+    a.scratch = aligned_alloc(64, sizeof(float) * ((a.per * ET_THREADS + 15) & ~(int64_t)15));
+    if (!a.scratch) return ET_ERR_NOMEM;
+    const int rc = et_parallel_for(a.tiles, lm_tile, &a);
+    free(a.scratch);
     return rc;
 }

@@ -8,7 +8,7 @@ import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, const, onnx_model,
+from kernels.specs.common import (THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, const, onnx_model,
                                   out_size, rand, registers_fit)
 from kernels.specs.common import logu, round_to
 
@@ -77,28 +77,36 @@ SPEC = KernelSpec(
     dims=(Dim("H", "input height"), Dim("W", "input width"), Dim("C", "channels"),
           Dim("stride", "spatial stride (pad is 1)", choices=(1, 2))),
     params=(
-        enum("cv", 1, 2, 4, help="channel vectors per register tile"),
-        enum("wt", 1, 2, 3, 4, 6, 8, help="output pixels (along a row) per register tile"),
-        enum("rt", 1, 2, 4, help="output rows per register tile (stride 1 reuses each loaded input row)"),
+        enum("cv", 1, 2, 4, help="channel vectors per register tile (a tile's channels: cv * vec; the last tile of a "
+             "row is shifted back to end at C, so no channel runs scalar unless C < vec)"),
+        enum("wt", 1, 2, 3, 4, 5, 6, 8, help="output pixels along a row per register tile: its (wt-1)*stride+3 input "
+             "columns are each loaded once per input row"),
+        enum("rt", 1, 2, 3, 4, help="output rows per register tile: its (rt-1)*stride+3 input rows are each loaded "
+             "once (rows shared by neighbouring output rows, at stride 1 and 2)"),
         VEC,
-        enum("order", "c_outer", "px_outer", help="loop order: channel tiles outer (weights stay hot) or pixel "
-             "tiles outer (input lines read contiguously)"),
-        PREFETCH,
+        enum("order", "rows", "channels", "pixels", help="work order: rows (a row tile runs every channel tile), "
+             "channels (a channel tile runs every row tile: its input rows are reused from L1 by the next row tile), "
+             "pixels (a row tile runs all channel tiles of one pixel tile, then the next: input pixels are read "
+             "contiguously, taps reloaded per tile)"),
+        enum("prefetch", 0, 1, 2, 8, help="software prefetch into L2 of the input rows that the row tile this many "
+             "row tiles below starts on (0 = off)"),
         THREADS,
     ),
     constraints=(
         VEC_FITS_ISA,
         THREADS_FIT_CORES,
-        registers_fit("rt * wt * cv accumulators + rt * cv weight vectors + 1",
-                      lambda c: c["rt"] * c["cv"] * (c["wt"] + 1) + 1),
+        registers_fit("rt * wt * cv accumulators + cv input vectors + 1 tap",
+                      lambda c: c["rt"] * c["wt"] * c["cv"] + c["cv"] + 1),
         Constraint("a channel tile (cv * vec) must fit in C",
                    lambda c, s, hw: c["cv"] == 1 or c["cv"] * c["vec"] <= s["C"]),
+        Constraint("a vector wider than C runs only scalar code",
+                   lambda c, s, hw: c["vec"] <= max(4, s["C"])),
         Constraint("wt beyond the output width only repeats a smaller tile",
                    lambda c, s, hw: c["wt"] <= max(1, out_size(s["W"], s["stride"]))),
         Constraint("rt beyond the output height only repeats a smaller tile",
                    lambda c, s, hw: c["rt"] <= max(1, out_size(s["H"], s["stride"]))),
     ),
-    default={"cv": 2, "wt": 4, "rt": 1, "vec": 8, "order": "c_outer", "prefetch": 0, "threads": 1},
+    default={"cv": 2, "wt": 3, "rt": 2, "vec": 8, "order": "pixels", "prefetch": 0, "threads": 1},
     workloads=(
         Workload("mobilenetv2.b2.dw", {"H": 56, "W": 56, "C": 144, "stride": 1},
                  "MobileNetV2 block 2 depthwise 3x3, 56x56x144, stride 1"),

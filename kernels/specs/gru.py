@@ -86,20 +86,31 @@ SPEC = KernelSpec(
     params=(
         VEC,
         enum("ut", 1, 2, 4, 8, help="register tile: units (rows layout) or unit vectors (cols layout), x3 gates"),
+        enum("mt", 1, 2, 4, help="time steps per register tile of the input-projection GEMM (order pre): each "
+             "weight vector loaded feeds mt steps"),
         enum("unroll", 1, 2, 4, help="unroll of the inner product loop"),
-        enum("layout", "rows", "cols", help="read W/R rows in place (dot products) or transposed per call (axpy)"),
+        enum("layout", "rows", "cols", help="W/R packed row-major (dot products, horizontal sums) or as panels of "
+             "ut*vec units (broadcast-FMA over unit vectors)"),
         enum("order", "pre", "step", help="input projections for all steps first (one GEMM), or inside each step"),
+        enum("par", "units", "gemm", help="what threads split: the hidden units of the input GEMM and of every "
+             "recurrent step (a barrier per step), or the input GEMM only (one thread runs the recurrence: no "
+             "per-step sync)"),
         PREFETCH,
         THREADS,
     ),
     constraints=(
         VEC_FITS_ISA,
         THREADS_FIT_CORES,
-        registers_fit("3 * ut accumulators", lambda c: 3 * c["ut"], share=0.75),
+        registers_fit("mt * 3 * ut accumulators + 1 broadcast", lambda c: c["mt"] * 3 * c["ut"] + 1),
+        Constraint("mt tiles only the input GEMM of order=pre", lambda c, s, hw: c["mt"] == 1 or c["order"] == "pre"),
+        Constraint("mt beyond T only computes remainder steps", lambda c, s, hw: c["mt"] <= max(1, s["T"])),
+        Constraint("par=gemm splits the input GEMM of order=pre over threads (one thread has nothing to split)",
+                   lambda c, s, hw: c["par"] == "units" or (c["order"] == "pre" and int(c["threads"]) > 1)),
         Constraint("a unit tile wider than H only computes padding (it runs as narrower tiles)",
                    lambda c, s, hw: c["ut"] == 1 or _tile_units(c) <= max(c["vec"], s["H"])),
     ),
-    default={"vec": 8, "ut": 2, "unroll": 2, "layout": "cols", "order": "pre", "prefetch": 0, "threads": 1},
+    default={"vec": 8, "ut": 2, "mt": 2, "unroll": 2, "layout": "cols", "order": "pre", "prefetch": 0,
+             "threads": 1, "par": "units"},
     workloads=(
         Workload("rnnoise.gru", {"T": 100, "I": 96, "H": 96},
                  "RNNoise-style speech enhancement: the 96-unit noise GRU over 1 s of 10 ms frames"),
