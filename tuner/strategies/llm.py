@@ -142,6 +142,7 @@ class LLMStrategy(Strategy):
         self.since_best = 0
         self.spread: float | None = None
         self.latency_ms: float | None = None
+        self.calls: list[tuple[float, float]] = []  # (wall ms, CPU ms) of each proposal call
         self.model_version: str | None = None  # the proposing model's version; None when it fell back
         self.mapped: list[str] | None = None  # knobs the model was trained without (None: it knows this space)
         try:
@@ -203,6 +204,7 @@ class LLMStrategy(Strategy):
             self._fall_back(f"tuner model {self.proposer.m.path} failed while proposing: {e}")
             return []
         self.latency_ms = res.latency_ms + (self.latency_ms or 0.0)
+        self.calls.append((res.latency_ms, res.cpu_ms))
         return [(p.config, p.logprob) for p in res.proposals]
 
     def _local(self) -> Config | None:
