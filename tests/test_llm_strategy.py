@@ -142,10 +142,18 @@ def test_llm_session_real_compile(hw, runner, tmp_path):
     info = db.session_info(res.session_id)
     assert info["strategy_version"].startswith("2-") and "anneal-fallback" not in info["strategy_version"]
     first = [m["config"] for m in db.measurements(res.session_id, "search")[:DEFAULT_K]]
-    space = GEMM.space(wl.shape, hw)
-    ranked = [(p.config, p.logprob) for p in _PROPOSERS[str(default_model_path())].propose(
-        "gemm", space, 4 * DEFAULT_K).proposals]
-    assert first == hedged(ranked, DEFAULT_K, space)[:len(first)]
+    assert first == LLMStrategy(GEMM.space(wl.shape, hw), 0, kernel=GEMM).ask(2)[:len(first)]
+
+
+def test_the_first_batch_always_tries_another_thread_count(hw):
+    """However sure the model is about threads, the first batch holds a config with another thread count (when the
+    constraints allow one): what threads are worth depends on what else the device runs."""
+    for wl in ("mobilenetv2.b2.expand", "mobilenetv2.b6.project"):
+        space = GEMM.space(GEMM.workload(wl).shape, hw)
+        first = LLMStrategy(space, 0, kernel=GEMM).ask(2)
+        assert len({c["threads"] for c in first}) == 2, first
+    tiny = GEMM.space(FC.shape, hw)  # too little work for two threads: nothing to hedge
+    assert {c["threads"] for c in LLMStrategy(tiny, 0, kernel=GEMM).ask(2)} == {1}
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random-bytes", "missing"])

@@ -1,9 +1,10 @@
 """Strategy `llm`: the tuner model proposes, measurements steer it, and it stops when the neighbourhood says done.
 
 1. First batch (`k`, default 4): the model's top configs, hedged where it is unsure. From its exact top-(4k), the
-   knobs whose probability mass is split (threads 1 vs 2, vector width, tile shape: whichever the model doubts
-   for this prompt) each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch
-   (a top-5 that all said threads=2 on a host where two threads lose was issue #24's worst case).
+   knobs whose probability mass is split (vector width, tile shape: whichever the model doubts for this prompt)
+   each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the thread count
+   is always hedged, since what it is worth depends on the device's other load (a top-5 that all said threads=2 on
+   a host where two threads lose was issue #24's worst case).
 2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
    relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
    a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 STRATEGY_VERSION = "2"
 DEFAULT_K = 4
 UNSURE = 0.85  # a knob whose leading value holds under this share of the top configs' mass is hedged
+# knobs hedged however sure the model is: what the threads knob is worth depends on what else runs on the device
+# (a 2-thread kernel on a busy 2-core device measured 2-30x slower than on an idle one), which no prompt can say
+ALWAYS_HEDGE = ("threads",)
 EVIDENCE_WEIGHT = 1.5  # log-weight per log of a value's best time over the best of all
 PATIENCE = 4
 WIDE_SPREAD = 2.0  # the first batch's slowest over fastest: beyond this, patience doubles
@@ -198,14 +202,30 @@ class LLMStrategy(Strategy):
             kw.setdefault("bias", evidence_bias(self.space, self.history, self.evidence))
             if self.use_history:
                 kw.setdefault("history", self.history)
+        kw.setdefault("exclude", self.seen)
         try:
-            res = self.proposer.propose(self.kernel.name, self.space, k, exclude=self.seen, **kw)
+            res = self.proposer.propose(self.kernel.name, self.space, k, **kw)
         except ModelError as e:
             self._fall_back(f"tuner model {self.proposer.m.path} failed while proposing: {e}")
             return []
         self.latency_ms = res.latency_ms + (self.latency_ms or 0.0)
         self.calls.append((res.latency_ms, res.cpu_ms))
         return [(p.config, p.logprob) for p in res.proposals]
+
+    def _always_hedged(self, batch: list[Config]) -> list[Config]:
+        """The batch, with its last config swapped for the model's best one holding another value of each
+        ALWAYS_HEDGE knob that the batch lacks (when the constraints allow one)."""
+        for name in ALWAYS_HEDGE:
+            if not batch or name not in self.space.names or len({c[name] for c in batch}) > 1:
+                continue
+            top = batch[0][name]
+            alt = self._propose(1, extra=lambda c, n=name, v=top: n not in c or c[n] != v, exclude=self.seen | {
+                config_key(c) for c in batch})
+            if alt and len(batch) > 1:
+                batch = batch[:-1] + [alt[0][0]]
+            elif alt:
+                batch = batch + [alt[0][0]]
+        return batch
 
     def _local(self) -> Config | None:
         """The model's best unmeasured one-knob neighbour of the incumbent. A knob the model was trained without
@@ -229,7 +249,7 @@ class LLMStrategy(Strategy):
         if self.fallback is not None:
             return self.fallback.ask(n)
         if not self.first:
-            self.first = hedged(self._propose(4 * self.k), self.k, self.space)
+            self.first = self._always_hedged(hedged(self._propose(4 * self.k), self.k, self.space))
             if self.first:
                 return list(self.first)
             if self.fallback is not None:
