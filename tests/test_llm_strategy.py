@@ -216,3 +216,24 @@ def test_train_from_records_jsonl(tmp_path):
 
     res = prop.propose("gemm", GEMM.space(FC.shape, probe(measure_bandwidth=False)), 3)
     assert len(res.proposals) == 3
+
+
+def test_when_the_model_has_nothing_left_local_search_takes_over_and_stops(hw):
+    """Over a space of 7 configs the model runs out of unmeasured proposals; the strategy goes on from the
+    incumbent by local search (never a config twice) and stops on its own."""
+    from tuner.evaluate import TableSpace
+
+    base = GEMM.space(GEMM.workload("kws_dscnn.pw4").shape, hw)
+    table = list(base.enumerate())[::40][:7]
+    space = TableSpace.over(base, table)
+    s = LLMStrategy(space, 0, kernel=GEMM, patience=20)
+    seen: list[str] = []
+    for step in range(30):
+        asked = s.ask(2)
+        if not asked:
+            break
+        for c in asked:
+            seen.append(config_key(c))
+            s.tell(c, Measurement(ok=True, ms=1.0 + 0.1 * len(seen)))
+    assert len(seen) == len(set(seen)) and set(seen) == {config_key(c) for c in table}
+    assert s.refiner is not None and s.fallback is None

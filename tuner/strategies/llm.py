@@ -139,8 +139,10 @@ class LLMStrategy(Strategy):
         self.patience = patience
         self.evidence = evidence
         self.use_history = history  # prompt the model with the measurements (False: evidence bias alone)
-        self.fallback: Anneal | None = None
+        self.fallback: Anneal | None = None  # no usable model: plain anneal
+        self.refiner: Anneal | None = None  # the model has nothing left to propose: local search, same patience
         self.proposer = None
+        self.started = False
         self.first: list[Config] = []
         self.history: list[tuple[Config, float]] = []  # ok measurements, in the order told
         self.since_best = 0
@@ -246,29 +248,31 @@ class LLMStrategy(Strategy):
     # ---- ask / tell ----------------------------------------------------------------------------------------
 
     def ask(self, n: int) -> list[Config]:
-        if self.fallback is not None:
-            return self.fallback.ask(n)
-        if not self.first:
+        if self.fallback is None and not self.started:
+            self.started = True
             self.first = self._always_hedged(hedged(self._propose(4 * self.k), self.k, self.space))
             if self.first:
                 return list(self.first)
-            if self.fallback is not None:
-                return self.fallback.ask(n)
+        if self.fallback is not None:  # no usable model (from the start, or it failed mid-session)
+            return self.fallback.ask(n)
         if self._converged():
             return []
-        out: list[Config] = []
-        for c, _ in self._propose(max(1, n - 1)):
-            out.append(c)
+        if self.refiner is None:
+            out = self._steered(n)
+            if out or self.fallback is not None:
+                return out or self.fallback.ask(n)
+            # the model has nothing unmeasured left that the constraints allow: local search from the incumbent
+            self.refiner = Anneal(self.space, self.rng.randrange(1 << 30), t0=0.02)
+            self.refiner.seen, self.refiner.best = set(self.seen), self.best
+            self.refiner.current = self.best
+        return self.refiner.ask(n)
+
+    def _steered(self, n: int) -> list[Config]:
+        """The model's best unmeasured config(s) under the measurements, and its best neighbour step."""
+        out = [c for c, _ in self._propose(max(1, n - 1))]
         local = self._local() if n > 1 else None
         if local is not None and config_key(local) not in {config_key(c) for c in out}:
             out = out[:n - 1] + [local]
-        if self.fallback is not None:  # the model failed mid-session
-            return self.fallback.ask(n)
-        if not out:  # the model has nothing unmeasured left that the constraints allow: plain local search
-            self.fallback = Anneal(self.space, self.rng.randrange(1 << 30), t0=0.02)
-            self.fallback.seen, self.fallback.best = set(self.seen), self.best
-            self.fallback.current = self.best
-            return self.fallback.ask(n)
         return out[:n]
 
     def _converged(self) -> bool:
@@ -278,8 +282,9 @@ class LLMStrategy(Strategy):
     def tell(self, cfg: Config, m: Measurement) -> None:
         before = self.best[0] if self.best else None
         super().tell(cfg, m)
-        if self.fallback is not None:
-            self.fallback.tell(cfg, m)
+        for other in (self.fallback, self.refiner):
+            if other is not None:
+                other.tell(cfg, m)
         if m.ok:
             self.history.append((cfg, m.value))
         improved = m.ok and (before is None or m.value < before * (1 - TIE_THRESHOLD))
