@@ -207,7 +207,8 @@ def hw_summary(hw: Any) -> dict:
 
 def _measure_row(spec: KernelSpec, isa: str, name: str, shape: dict, split: str, cfg: Config, m: Measurement,
                  phase: str, compile_s: float | None) -> dict:
-    return {"kind": "m", "kernel": spec.name, "isa": isa, "workload": name, "shape": shape,
+    return {"kind": "m", "kernel": spec.name, "source_hash": spec.source_hash(), "isa": isa, "workload": name,
+            "shape": shape,
             "shape_key": shape_key(shape), "split": split, "phase": phase, "config": cfg,
             "config_key": config_key(cfg), "ok": m.ok, "reason": m.reason, "ms": m.ms, "cv": m.cv, "reps": m.reps,
             "reps_used": m.reps_used, "estimator": m.estimator, "cpu_ms": m.cpu_ms, "nivcsw": m.nivcsw,
