@@ -13,8 +13,9 @@ For every layer of bench/real_layers.toml (shapes the tuner model never trained 
    within its margin, and the default), the fastest of them in the side-by-side rounds. The reference, every run's
    finalists at every budget and each session's final winner are measured side by side in `--rounds` shuffled
    rounds (`Evaluator.interleave`, one protocol for all), in one warm build cache.
-4. Quality = a config's median same-round ratio to the reference, over the best such ratio of the layer (the
-   reference's own 1.0 or anything faster found); "within 5%" is quality <= 1.05; evals to 5% is the first budget b
+4. Quality = a config's median over rounds of its time over the round's fastest candidate, over the best such
+   ratio of the layer (so the best config measured, the reference or anything faster, is 1.0); "within 5%" is
+   quality <= 1.05; evals to 5% is the first budget b
    whose winner is within 5% (a run that never gets there counts as budget + 1). A control, the reference measured
    again in the same rounds as if it were a candidate, shows how often this host's noise alone puts the best
    config outside 5% of itself: the ceiling of any "within 5%" share.
@@ -46,6 +47,7 @@ from edgetune.atomic import write_atomic  # noqa: E402
 from kernels.measure import TIE_THRESHOLD  # noqa: E402
 from kernels.space import Config, config_key  # noqa: E402
 from kernels.spec import KernelSpec, Workload  # noqa: E402
+from tuner.evaluate import same_round_ratio  # noqa: E402
 
 BUDGETS = (5, 10, 20)
 LAYERS = ROOT / "bench" / "real_layers.toml"
@@ -171,10 +173,10 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
     keys = list(wanted)
     ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner, min_time_s=0.02, max_reps=15, timeout_s=20)
     got = ev.interleave([wanted[k] for k in keys] + [ref], rounds, seed=seed)  # the last: the control
-    ratios = got.ratios_to(0)
+    ratios = ratios_to_fastest(got)
     ratio = dict(zip(keys, ratios))
-    best = min([1.0] + [x for x in ratio.values() if x])
     best_key = min((k for k in keys if ratio[k]), key=lambda k: ratio[k], default=keys[0])
+    best = ratio[best_key] or 1.0
     q = {k: (x / best if x else None) for k, x in ratio.items()}
     for r in runs:
         at = {n: min((q[config_key(c)] for c in r.finalists_at(n, default) if q.get(config_key(c))), default=None)
@@ -182,14 +184,30 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
         r.quality = {b: at.get(min(b, len(r.traj))) for b in BUDGETS if b <= budget}
         r.final_quality = q.get(config_key(r.final))
         r.evals_to = next((n for n in range(1, len(r.traj) + 1) if at.get(n) is not None and at[n] <= WITHIN), None)
-    return {"configs": len(keys), "ref_ms": got.median_ms(0), "best_over_ref": best, "best": wanted[best_key],
-            "control": ratios[-1], "compile_s": ev.timing.get("compile_s", 0.0)}
+    ref_ratio = ratio[config_key(ref)]
+    return {"configs": len(keys), "ref_ms": got.median_ms(0), "best": wanted[best_key],
+            "rounds": {k: got.times(i) for i, k in enumerate(keys + ["control"])},  # ms per round, for re-analysis
+            "best_over_ref": best / ref_ratio if ref_ratio else None,
+            "control": ratios[-1] / ref_ratio if ratios[-1] and ref_ratio else None,
+            "compile_s": ev.timing.get("compile_s", 0.0)}
+
+
+def ratios_to_fastest(got) -> list[float | None]:
+    """Each config's median over rounds of its time over the round's fastest config (the issue's protocol).
+
+    A ratio to one reference config would inherit that config's noise: on this busy 2-core host a 2-thread config
+    measured from 1x to 70x its best from one round to the next, so every ratio to it would be noise; the round's
+    fastest of many candidates is stable."""
+    n_rounds = len(got.per[0])
+    fastest = [min((got.per[i][r].ms for i in range(len(got.per)) if got.per[i][r].ok), default=None)
+               for r in range(n_rounds)]
+    return [same_round_ratio(got.times(i), fastest) for i in range(len(got.per))]
 
 
 def improve_reference(refs: dict, key: str, info: dict, path: Path) -> None:
     """A config measured clearly faster than the reference (beyond the 3% noise) becomes the next run's: the
     reference is the best known on this machine, and grows with every run."""
-    if info["best_over_ref"] < 1 - TIE_THRESHOLD:
+    if info["best_over_ref"] and info["best_over_ref"] < 1 - TIE_THRESHOLD:
         refs[key] |= {"config": info["best"], "improved_by": round(1 / info["best_over_ref"], 3), "ts": time.time()}
         write_atomic(path, json.dumps(refs, indent=1).encode())
 
@@ -343,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  if b <= a.budget)
                               + f" ({r['evals']}ev {r['wall_s']:.1f}s{', ' + r['note'] if r['note'] else ''})"
                               for n, r in row["runs"].items())
-                  + f"; best/ref {row['best_over_ref']:.2f}, control {row['control'] or float('nan'):.2f}, load "
+                  + f"; best/ref {row['best_over_ref'] or float('nan'):.2f}, control "
+                    f"{row['control'] or float('nan'):.2f}, load "
                     f"{row['load1']:.1f}-{row['load1_end']:.1f}, {row['seconds']:.0f}s", flush=True)
             if out:  # after every layer: a killed run keeps what it measured (--resume continues it)
                 write_atomic(out, json.dumps({"layers": rows, "strategies": strategies, "args": vars(a)},
