@@ -85,7 +85,8 @@ class Run:
         return self.traj[n - 1][2] if len(self.traj) >= n else None
 
 
-def load_layers(path: Path, kernels: list[str], per_kernel: int | None, names: list[str]) -> list[tuple[KernelSpec, Workload]]:
+def load_layers(path: Path, kernels: list[str], per_kernel: int | None,
+                names: list[str]) -> list[tuple[KernelSpec, Workload]]:
     from kernels.workload_files import load_workload_files
 
     out, count = [], {}

@@ -63,7 +63,8 @@ def nearest(device: dict, known: list[dict]) -> dict:
         for f in ("l1d", "l2", "l3", "cores"):
             a, b = device.get(f) or 1, k.get(f) or 1
             d += abs(math.log2(a) - math.log2(b))
-        return d + (0 if k.get("cpu_model") == device.get("cpu_model") else 2) + (0 if k["isa"] == device["isa"] else 0.5)
+        same_cpu = k.get("cpu_model") == device.get("cpu_model")
+        return d + (0 if same_cpu else 2) + (0 if k["isa"] == device["isa"] else 0.5)
 
     same = [k for k in known if k.get("vector_bits") == device.get("vector_bits")] or known
     return min(same, key=dist)
@@ -106,7 +107,8 @@ def measured_device(name: str, hw, layers, prop, known: list[dict], k: int, roun
 
             ratio = same_round_ratio(best(mine), best(theirs))
             rows.append({"device": name, "kernel": spec.name, "workload": wl.name, "ratio": ratio,
-                         "valid": all(space.is_valid(c) for c in mine), "same_top1": config_key(mine[0]) == config_key(theirs[0]),
+                         "valid": all(space.is_valid(c) for c in mine),
+                         "same_top1": config_key(mine[0]) == config_key(theirs[0]),
                          "overlap": len(set(map(config_key, mine)) & set(map(config_key, theirs))),
                          "cpu_ms": lat, "load1": os.getloadavg()[0]})
             print(f"  [{i + 1}/{len(layers)}] {spec.name}/{wl.name}: own/nearest best-of-top-{k} "
