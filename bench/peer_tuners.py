@@ -5,8 +5,8 @@
   When TPE keeps suggesting measured configs (it has converged on a small space), a random unmeasured valid config
   is enqueued for it, so it spends its budget as a user running it to a budget would.
 - `KernelTunerStrategy`: one of Kernel Tuner's strategies (genetic_algorithm, bayes_opt, ...) over the space's
-  valid configs, population sizes scaled to the budget. Kernel Tuner drives its own loop and calls a runner, so it runs in a thread whose runner hands
-  each batch to `ask` and waits for the `tell`s; `close` (or the end of the budget) stops it.
+  valid configs, population sizes scaled to the budget. Kernel Tuner drives its own loop and calls a runner, so it
+  runs in a thread whose runner hands each batch to `ask` and waits for the `tell`s; `close` stops it.
 
 Peers live in bench/ only (DESIGN.md: the product's strategies are in tuner/strategies).
 """

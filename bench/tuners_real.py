@@ -13,9 +13,12 @@ For every layer of bench/real_layers.toml (shapes the tuner model never trained 
    within its margin, and the default), the fastest of them in the side-by-side rounds. The reference, every run's
    finalists at every budget and each session's final winner are measured side by side in `--rounds` shuffled
    rounds (`Evaluator.interleave`, one protocol for all), in one warm build cache.
-4. Quality = a config's median same-round ratio to the reference, over the best such ratio of the layer (the
-   reference's own 1.0 or anything faster found); "within 5%" is quality <= 1.05; evals to 5% is the first budget b
-   whose winner is within 5% (a run that never gets there counts as budget + 1).
+4. Quality = a config's median over rounds of its time over the round's fastest candidate, over the best such
+   ratio of the layer (so the best config measured, the reference or anything faster, is 1.0); "within 5%" is
+   quality <= 1.05; evals to 5% is the first budget b
+   whose winner is within 5% (a run that never gets there counts as budget + 1). A control, the reference measured
+   again in the same rounds as if it were a candidate, shows how often this host's noise alone puts the best
+   config outside 5% of itself: the ceiling of any "within 5%" share.
 
 Printed: per strategy the geometric mean quality at each budget, the share within 5%, median evals to 5%, the
 median wall time of a cold session (compile included) and of reaching 5 evals; then the same per kernel; the load
@@ -44,6 +47,7 @@ from edgetune.atomic import write_atomic  # noqa: E402
 from kernels.measure import TIE_THRESHOLD  # noqa: E402
 from kernels.space import Config, config_key  # noqa: E402
 from kernels.spec import KernelSpec, Workload  # noqa: E402
+from tuner.evaluate import same_round_ratio  # noqa: E402
 
 BUDGETS = (5, 10, 20)
 LAYERS = ROOT / "bench" / "real_layers.toml"
@@ -63,6 +67,7 @@ class Run:
     traj: list[tuple[Config, float | None, float]]  # (config, search ms or None, seconds since start) per eval
     final: Config
     note: str = ""
+    calls: list = field(default_factory=list)  # the tuner model's (wall ms, CPU ms) per proposal call
     quality: dict = field(default_factory=dict)  # budget -> quality of its winner at that budget
     final_quality: float | None = None
     evals_to: int | None = None
@@ -80,7 +85,8 @@ class Run:
         return self.traj[n - 1][2] if len(self.traj) >= n else None
 
 
-def load_layers(path: Path, kernels: list[str], per_kernel: int | None, names: list[str]) -> list[tuple[KernelSpec, Workload]]:
+def load_layers(path: Path, kernels: list[str], per_kernel: int | None,
+                names: list[str]) -> list[tuple[KernelSpec, Workload]]:
     from kernels.workload_files import load_workload_files
 
     out, count = [], {}
@@ -101,19 +107,16 @@ def _cold(td: Path, tag: str) -> None:
 
 
 def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):
-    """A peer (bench/peer_tuners.py), a variant of one of ours with settings (`llm:k=5,history=0`), or None for
-    a strategy the session makes by name."""
+    """A peer (bench/peer_tuners.py), or one of ours by name, with settings after a colon (`llm:k=5,history=0`)."""
     from peer_tuners import make_peer
 
     from tuner.strategies import STRATEGIES
 
     if name.startswith(PEERS):
         return make_peer(name, space, seed, budget)
-    if ":" in name:
-        base, _, opts = name.partition(":")
-        kw = {k: float(v) if "." in v else int(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
-        return STRATEGIES[base](space, seed, kernel=spec, **kw)
-    return None
+    base, _, opts = name.partition(":")
+    kw = {k: float(v) if "." in v else int(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
+    return STRATEGIES[base](space, seed, kernel=spec, **kw)
 
 
 def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int) -> Run:
@@ -122,8 +125,8 @@ def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int
     strat = strategy_obj(name, spec, spec.space(wl.shape, sess.hw), seed, budget)
     t0 = time.time()
     try:
-        res = sess.tune(spec, wl, strategy=name if strat is None else "anneal", strategy_obj=strat, seed=seed,
-                        budget=Budget(evals=budget, patience=None), force=True)
+        res = sess.tune(spec, wl, strategy_obj=strat, seed=seed, budget=Budget(evals=budget, patience=None),
+                        force=True)
     finally:
         if hasattr(strat, "close"):
             strat.close()
@@ -132,7 +135,8 @@ def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int
     traj = [(r["config"], r["ms"] if r["ok"] else None,
              r["ts"] - start) for r in rows]
     note = "fell back to anneal (no usable model)" if "fallback" in (res.strategy_version or "") else ""
-    return Run(name, res.evals, res.tuning_s or (time.time() - t0), res.timing, traj, res.config, note)
+    return Run(name, res.evals, res.tuning_s or (time.time() - t0), res.timing, traj, res.config, note,
+               calls=list(getattr(strat, "calls", [])))
 
 
 def reference(sess, spec: KernelSpec, wl: Workload, evals: int, refs: dict, refs_path: Path) -> Config:
@@ -169,10 +173,11 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
         wanted.setdefault(config_key(r.final), r.final)
     keys = list(wanted)
     ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner, min_time_s=0.02, max_reps=15, timeout_s=20)
-    got = ev.interleave([wanted[k] for k in keys], rounds, seed=seed)
-    ratio = dict(zip(keys, got.ratios_to(0)))
-    best = min([1.0] + [x for x in ratio.values() if x])
+    got = ev.interleave([wanted[k] for k in keys] + [ref], rounds, seed=seed)  # the last: the control
+    ratios = ratios_to_fastest(got)
+    ratio = dict(zip(keys, ratios))
     best_key = min((k for k in keys if ratio[k]), key=lambda k: ratio[k], default=keys[0])
+    best = ratio[best_key] or 1.0
     q = {k: (x / best if x else None) for k, x in ratio.items()}
     for r in runs:
         at = {n: min((q[config_key(c)] for c in r.finalists_at(n, default) if q.get(config_key(c))), default=None)
@@ -180,14 +185,30 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
         r.quality = {b: at.get(min(b, len(r.traj))) for b in BUDGETS if b <= budget}
         r.final_quality = q.get(config_key(r.final))
         r.evals_to = next((n for n in range(1, len(r.traj) + 1) if at.get(n) is not None and at[n] <= WITHIN), None)
-    return {"configs": len(keys), "ref_ms": got.median_ms(0), "best_over_ref": best, "best": wanted[best_key],
+    ref_ratio = ratio[config_key(ref)]
+    return {"configs": len(keys), "ref_ms": got.median_ms(0), "best": wanted[best_key],
+            "rounds": {k: got.times(i) for i, k in enumerate(keys + ["control"])},  # ms per round, for re-analysis
+            "best_over_ref": best / ref_ratio if ref_ratio else None,
+            "control": ratios[-1] / ref_ratio if ratios[-1] and ref_ratio else None,
             "compile_s": ev.timing.get("compile_s", 0.0)}
+
+
+def ratios_to_fastest(got) -> list[float | None]:
+    """Each config's median over rounds of its time over the round's fastest config (the issue's protocol).
+
+    A ratio to one reference config would inherit that config's noise: on this busy 2-core host a 2-thread config
+    measured from 1x to 70x its best from one round to the next, so every ratio to it would be noise; the round's
+    fastest of many candidates is stable."""
+    n_rounds = len(got.per[0])
+    fastest = [min((got.per[i][r].ms for i in range(len(got.per)) if got.per[i][r].ok), default=None)
+               for r in range(n_rounds)]
+    return [same_round_ratio(got.times(i), fastest) for i in range(len(got.per))]
 
 
 def improve_reference(refs: dict, key: str, info: dict, path: Path) -> None:
     """A config measured clearly faster than the reference (beyond the 3% noise) becomes the next run's: the
     reference is the best known on this machine, and grows with every run."""
-    if info["best_over_ref"] < 1 - TIE_THRESHOLD:
+    if info["best_over_ref"] and info["best_over_ref"] < 1 - TIE_THRESHOLD:
         refs[key] |= {"config": info["best"], "improved_by": round(1 / info["best_over_ref"], 3), "ts": time.time()}
         write_atomic(path, json.dumps(refs, indent=1).encode())
 
@@ -234,13 +255,58 @@ def print_summary(summ: list[dict], title: str) -> None:
         print("  " + "  ".join(c.ljust(w[i]) for i, c in enumerate(r)))
 
 
+def print_latency(rows: list[dict], strategies: list[str]) -> None:
+    """p50/p95 of the tuner model's proposal calls: wall time, and CPU time (its latency on an idle core)."""
+    for s in strategies:
+        calls = [c for r in rows if s in r["runs"] for c in r["runs"][s].get("calls", [])]
+        if calls:
+            q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+            wall, cpu = [c[0] for c in calls], [c[1] for c in calls]
+            print(f"{s}: {len(calls)} proposal calls, wall p50 {q(wall, .5):.1f} / p95 {q(wall, .95):.1f} ms, "
+                  f"CPU p50 {q(cpu, .5):.1f} / p95 {q(cpu, .95):.1f} ms (1 thread)")
+
+
 def run_dict(r: Run) -> dict:
     return {"evals": r.evals, "wall_s": r.wall_s, "timing": r.timing, "note": r.note, "final": r.final,
+            "calls": r.calls,
             "final_quality": r.final_quality, "quality": r.quality, "evals_to": r.evals_to,
             "seconds_to_5": r.seconds_to(5), "traj": [[c, ms, round(t, 3)] for c, ms, t in r.traj]}
 
 
 # ---- main -------------------------------------------------------------------------------------------------
+
+def run_layer(sess, runner, td: Path, i: int, spec: KernelSpec, wl: Workload, strategies: list[str],
+              a: argparse.Namespace, refs: dict, refs_path: Path) -> dict:
+    """One layer: its reference, every strategy's cold session, the side-by-side rounds."""
+    load = os.getloadavg()[0]
+    t0 = time.time()
+    _cold(td, "ref")
+    ref = reference(sess, spec, wl, a.ref_evals, refs, refs_path)
+    runs = []
+    for s in strategies:
+        _cold(td, f"{i}-{s}")
+        try:
+            runs.append(tune(sess, spec, wl, s, a.budget, a.seed))
+        except Exception as e:  # one peer failing on one layer must not sink the comparison
+            print(f"  {s} failed on {spec.name}/{wl.name}: {type(e).__name__}: {e}", file=sys.stderr)
+    os.environ["CACHE_DIRECTORY"] = str(td / "warm")
+    info = judge(runner, sess.hw, spec, wl, ref, runs, a.rounds, seed=i, budget=a.budget)
+    improve_reference(refs, ref_key(sess.hw, spec, wl), info, refs_path)
+    return {"kernel": spec.name, "workload": wl.name, "shape": wl.shape, "reference": ref, "load1": load,
+            "load1_end": os.getloadavg()[0], "seconds": time.time() - t0, **info,
+            "runs": {r.strategy: run_dict(r) for r in runs}}
+
+
+def resumed(path: Path | None, strategies: list[str]) -> list[dict]:
+    """The layers an earlier run of the same strategies wrote to `path`."""
+    if path is None or not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    if doc.get("strategies") != strategies:
+        raise SystemExit(f"{path} holds a run of other strategies ({doc.get('strategies')}); give another --json")
+    print(f"resuming: {len(doc['layers'])} layers from {path}", flush=True)
+    return doc["layers"]
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--real-layers", action="store_true", help="(selects this bench in compare_tuners.py)")
@@ -257,7 +323,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--refs", default=str(paths.cache_dir() / "bench-real-refs.json"),
                     help="reference cache (per machine, ISA, kernel source and shape)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write every layer's runs and the summaries here")
+    ap.add_argument("--json", help="write every layer's runs (after each layer) and the summaries here")
+    ap.add_argument("--resume", action="store_true", help="skip the layers --json already holds")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,53 +345,56 @@ def main(argv: list[str] | None = None) -> int:
     warm = os.environ.get("CACHE_DIRECTORY")
     print(f"{len(layers)} held-out real layers; strategies {', '.join(strategies)}; budget {a.budget}; "
           f"{a.rounds} rounds; {hw.cpu_model}, {hw.isa}, {hw.cores} cores; load {os.getloadavg()[0]:.2f}", flush=True)
-    rows: list[dict] = []
+    out = Path(a.json) if a.json else None
+    rows: list[dict] = resumed(out, strategies) if a.resume else []
+    done = {(r["kernel"], r["workload"]) for r in rows}
     t_all = time.time()
     with tempfile.TemporaryDirectory(prefix="et-real-") as tdir, Runner() as runner:
         td = Path(tdir)
         sess = Session(ResultsDB(td / "bench.db"), runner, hw, ort_twin=False)
         for i, (spec, wl) in enumerate(layers):
-            load = os.getloadavg()[0]
-            t0 = time.time()
-            _cold(td, "ref")
-            ref = reference(sess, spec, wl, a.ref_evals, refs, refs_path)
-            runs = []
-            for s in strategies:
-                _cold(td, f"{i}-{s}")
-                try:
-                    runs.append(tune(sess, spec, wl, s, a.budget, a.seed))
-                except Exception as e:  # one peer failing on one layer must not sink the comparison
-                    print(f"  {s} failed on {spec.name}/{wl.name}: {type(e).__name__}: {e}", file=sys.stderr)
-            os.environ["CACHE_DIRECTORY"] = str(td / "warm")
-            info = judge(runner, hw, spec, wl, ref, runs, a.rounds, seed=i, budget=a.budget)
-            improve_reference(refs, ref_key(hw, spec, wl), info, refs_path)
-            row = {"kernel": spec.name, "workload": wl.name, "shape": wl.shape, "reference": ref, "load1": load,
-                   "load1_end": os.getloadavg()[0], "seconds": time.time() - t0, **info,
-                   "runs": {r.strategy: run_dict(r) for r in runs}}
+            if (spec.name, wl.name) in done:
+                continue
+            row = run_layer(sess, runner, td, i, spec, wl, strategies, a, refs, refs_path)
             rows.append(row)
             print(f"[{i + 1}/{len(layers)}] {spec.name}/{wl.name}: "
-                  + "  ".join(f"{r.strategy} " + "/".join(f"{r.quality.get(b) or float('nan'):.2f}" for b in BUDGETS
-                                                           if b <= a.budget)
-                              + (f" ({r.evals}ev {r.wall_s:.1f}s{', ' + r.note if r.note else ''})") for r in runs)
-                  + f"; best/ref {info['best_over_ref']:.2f}, load {load:.1f}-{row['load1_end']:.1f}, "
-                    f"{row['seconds']:.0f}s", flush=True)
+                  + "  ".join(f"{n} " + "/".join(f"{r['quality'].get(b) or float('nan'):.2f}" for b in BUDGETS
+                                                 if b <= a.budget)
+                              + f" ({r['evals']}ev {r['wall_s']:.1f}s{', ' + r['note'] if r['note'] else ''})"
+                              for n, r in row["runs"].items())
+                  + f"; best/ref {row['best_over_ref'] or float('nan'):.2f}, control "
+                    f"{row['control'] or float('nan'):.2f}, load "
+                    f"{row['load1']:.1f}-{row['load1_end']:.1f}, {row['seconds']:.0f}s", flush=True)
+            if out:  # after every layer: a killed run keeps what it measured (--resume continues it)
+                write_atomic(out, json.dumps({"layers": rows, "strategies": strategies, "args": vars(a)},
+                                             indent=1, default=str).encode())
     if warm is not None:
         os.environ["CACHE_DIRECTORY"] = warm
+    report(rows, strategies, a, hw, time.time() - t_all)
+    return 0
+
+
+def report(rows: list[dict], strategies: list[str], a: argparse.Namespace, hw, seconds: float) -> None:
     summ = summary(rows, strategies, a.budget)
     loads = [r["load1"] for r in rows] + [r["load1_end"] for r in rows]
+    controls = [r["control"] for r in rows if r.get("control")]
     print()
+    if controls:
+        print(f"control (the reference measured again as a candidate): within 5% on "
+              f"{sum(c <= WITHIN for c in controls)}/{len(controls)} layers, geomean {gmean(controls):.3f}")
     print_summary(summ, f"all {len(rows)} layers (quality = same-round ratio to the best measured; load "
-                        f"{min(loads):.1f}-{max(loads):.1f}, {time.time() - t_all:.0f}s):")
+                        f"{min(loads):.1f}-{max(loads):.1f}, {seconds:.0f}s):")
     per_kernel = {}
     for k in dict.fromkeys(r["kernel"] for r in rows):
         per_kernel[k] = summary([r for r in rows if r["kernel"] == k], strategies, a.budget)
         print()
         print_summary(per_kernel[k], f"{k} ({sum(r['kernel'] == k for r in rows)} layers):")
+    print_latency(rows, strategies)
     if a.json:
-        Path(a.json).write_text(json.dumps({"summary": summ, "per_kernel": per_kernel, "layers": rows,
-                                            "hw": {"cpu": hw.cpu_model, "isa": hw.isa, "cores": hw.cores},
-                                            "args": vars(a)}, indent=1, default=str))
-    return 0
+        write_atomic(Path(a.json), json.dumps({"summary": summ, "per_kernel": per_kernel, "layers": rows,
+                                               "strategies": strategies, "args": vars(a),
+                                               "hw": {"cpu": hw.cpu_model, "isa": hw.isa, "cores": hw.cores}},
+                                              indent=1, default=str).encode())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -121,26 +122,22 @@ def test_changed_leaders_are_confirmed_again_side_by_side(tmp_path):
     assert trained == 5  # 3 bundled, 1 synthetic and 1 real-architecture training shape
 
 
-def _cfg(name: str) -> dict:
-    """A real gemm config per test name (the loader keeps only configs of the kernel's current knobs)."""
-    from kernels.registry import get_spec
-
-    return {**get_spec("gemm").default, "mr": {"a": 1, "b": 2, "c": 3}[name]}
-
-
 def test_training_ranks_confirmed_leaders_by_their_rounds_alone():
     """The confirmation rounds ran on a slower host: pooled with the first pass, an unconfirmed config's single
     fast first measurement would outrank every confirmed leader."""
+    from kernels.registry import get_spec
+
+    cfg = {name: get_spec("gemm").default | {"mr": mr} for name, mr in (("a", 1), ("b", 2), ("c", 4))}
     cases: dict = {}
     first = {"a": 1.0, "b": 1.2, "c": 1.1}  # c was not among the leaders confirmed
     for name, ms in first.items():
-        add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, _cfg(name), True, ms, "sample")
+        add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, cfg[name], True, ms, "sample")
     for name, rounds in {"a": [2.1, 2.0], "b": [1.9, 1.8]}.items():
         for ms in rounds:
-            add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, _cfg(name), True, ms, "confirm")
+            add_measurement(cases, "gemm", "x86-64-v3", {"M": 8}, "w", "train", {}, cfg[name], True, ms, "confirm")
     (case,) = cases.values()
-    assert [c["mr"] for c, _ in case.ranked()] == [2, 1, 3]  # b, a, c
-    assert case.table() == {config_key(_cfg(k)): ms for k, ms in first.items()}  # the replay's table: first pass
+    assert [c["mr"] for c, _ in case.ranked()] == [2, 1, 4]
+    assert case.table() == {config_key(cfg[k]): ms for k, ms in first.items()}  # the replay's table: first pass
 
 
 def test_records_of_another_device_are_cases_of_their_own(tmp_path):
@@ -149,13 +146,16 @@ def test_records_of_another_device_are_cases_of_their_own(tmp_path):
     descriptor and drowned by that host's confirmed leaders. A held-out problem is skipped on every device."""
     import json
 
+    from kernels.registry import get_spec
+
+    a, b = (get_spec("gemm").default | {"mr": mr} for mr in (1, 2))
     host = {"hw_fingerprint": "xeon", "isa": "x86-64-v3", "vector_bits": 256, "cores": 2, "l2": 2 << 20}
     device = {"hw_fingerprint": "epyc", "isa": "x86-64-v3", "vector_bits": 256, "cores": 2, "l2": 1 << 20}
     cases: dict = {}
     for m, split in ((8, "train"), (9, "heldout")):
-        add_measurement(cases, "gemm", "x86-64-v3", {"M": m}, "w", split, host, _cfg("a"), True, 1.0, "sample")
+        add_measurement(cases, "gemm", "x86-64-v3", {"M": m}, "w", split, host, a, True, 1.0, "sample")
     recs = [{"kernel": "gemm", "isa": "x86-64-v3", "shape": {"M": m}, "workload": "w", "hw": device,
-             "measurements": [{"phase": "search", "seq": 0, "config": _cfg("b"), "ok": True, "ms": 0.5}]}
+             "measurements": [{"phase": "search", "seq": 0, "config": b, "ok": True, "ms": 0.5}]}
             for m in (8, 9)]
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -163,6 +163,30 @@ def test_records_of_another_device_are_cases_of_their_own(tmp_path):
     assert sessions == 2 and len(cases) == 3
     by = {(c.hw["hw_fingerprint"], c.shape["M"]): c for c in cases.values()}
     assert set(by) == {("xeon", 8), ("xeon", 9), ("epyc", 8)}
-    assert by["epyc", 8].hw == device and by["epyc", 8].table() == {config_key(_cfg("b")): 0.5}
-    assert by["xeon", 8].table() == {config_key(_cfg("a")): 1.0}
+    assert by["epyc", 8].hw == device and by["epyc", 8].table() == {config_key(b): 0.5}
+    assert by["xeon", 8].table() == {config_key(a): 1.0}
     assert by["epyc", 8].problem == by["xeon", 8].problem and by["epyc", 8].key != by["xeon", 8].key
+
+
+def test_records_of_another_kernel_version_are_left_out_of_training(tmp_path):
+    """A record times the kernel its device ran: another C source (an older edgetune, data from before a kernel
+    changed) or a config of other knobs describes no kernel this edgetune builds, so training leaves it out."""
+    from kernels.registry import get_spec
+
+    spec = get_spec("gru")
+    shape = {"T": 20, "I": 16, "H": 16}
+    cfg = spec.default
+    rec = {"kernel": "gru", "workload": "w", "isa": "x86-64-v2", "measurements": [{"config": cfg, "ok": True, "ms": 1.0}]}
+    recs = [rec | {"shape": shape | {"T": 21}, "source_hash": spec.source_hash()},  # kept
+            rec | {"shape": shape | {"T": 22}},  # no source recorded: taken at its word, kept
+            rec | {"shape": shape | {"T": 23}, "source_hash": "0123456789abcdef"},  # another kernel source
+            rec | {"shape": shape | {"T": 24}, "measurements": [{"config": {k: v for k, v in cfg.items() if k != "mt"}, "ok": True,
+                                                         "ms": 1.0}]},  # from before gru gained knob mt
+            rec | {"shape": shape | {"T": 25}, "measurements": [{"config": cfg | {"ut": 3}, "ok": True, "ms": 1.0}]},  # no such value
+            rec | {"kernel": "fft9", "shape": shape | {"T": 26}}]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cases, n = load_records(path)
+    assert n == len(recs) and sorted(c.shape["T"] for c in cases.values()) == [21, 22]
+    rows = [r for r in read_rows(REPO / "quantized_models" / "data" / "runs.jsonl.gz") if r.get("kind") == "m"][:1]
+    assert "source_hash" not in rows[0]  # the committed journal predates source hashes: its rows are kept

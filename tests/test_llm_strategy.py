@@ -143,10 +143,18 @@ def test_llm_session_real_compile(hw, runner, tmp_path):
     info = db.session_info(res.session_id)
     assert info["strategy_version"].startswith("2-") and "anneal-fallback" not in info["strategy_version"]
     first = [m["config"] for m in db.measurements(res.session_id, "search")[:DEFAULT_K]]
-    space = GEMM.space(wl.shape, hw)
-    ranked = [(p.config, p.logprob) for p in _PROPOSERS[str(default_model_path())].propose(
-        "gemm", space, 4 * DEFAULT_K).proposals]
-    assert first == hedged(ranked, DEFAULT_K, space)[:len(first)]
+    assert first == LLMStrategy(GEMM.space(wl.shape, hw), 0, kernel=GEMM).ask(2)[:len(first)]
+
+
+def test_the_first_batch_always_tries_another_thread_count(hw):
+    """However sure the model is about threads, the first batch holds a config with another thread count (when the
+    constraints allow one): what threads are worth depends on what else the device runs."""
+    for wl in ("mobilenetv2.b2.expand", "mobilenetv2.b6.project"):
+        space = GEMM.space(GEMM.workload(wl).shape, hw)
+        first = LLMStrategy(space, 0, kernel=GEMM).ask(2)
+        assert len({c["threads"] for c in first}) == 2, first
+    tiny = GEMM.space(FC.shape, hw)  # too little work for two threads: nothing to hedge
+    assert {c["threads"] for c in LLMStrategy(tiny, 0, kernel=GEMM).ask(2)} == {1}
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random-bytes", "missing"])
@@ -209,3 +217,24 @@ def test_train_from_records_jsonl(tmp_path):
 
     res = prop.propose("gemm", GEMM.space(FC.shape, probe(measure_bandwidth=False)), 3)
     assert len(res.proposals) == 3
+
+
+def test_when_the_model_has_nothing_left_local_search_takes_over_and_stops(hw):
+    """Over a space of 7 configs the model runs out of unmeasured proposals; the strategy goes on from the
+    incumbent by local search (never a config twice) and stops on its own."""
+    from tuner.evaluate import TableSpace
+
+    base = GEMM.space(GEMM.workload("kws_dscnn.pw4").shape, hw)
+    table = list(base.enumerate())[::40][:7]
+    space = TableSpace.over(base, table)
+    s = LLMStrategy(space, 0, kernel=GEMM, patience=20)
+    seen: list[str] = []
+    for step in range(30):
+        asked = s.ask(2)
+        if not asked:
+            break
+        for c in asked:
+            seen.append(config_key(c))
+            s.tell(c, Measurement(ok=True, ms=1.0 + 0.1 * len(seen)))
+    assert len(seen) == len(set(seen)) and set(seen) == {config_key(c) for c in table}
+    assert s.refiner is not None and s.fallback is None

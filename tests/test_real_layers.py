@@ -57,8 +57,8 @@ def test_no_held_out_shape_is_a_bundled_or_training_layer(held):
     arch = {shape_id(e.kernel, e.shape) for e in read_workloads_file(OUT)}
     assert len(arch) > 300 and not arch & held
     # the committed table is what the generator writes (families from the papers' tables, held-out shapes removed)
-    assert [(e.kernel, e.name, e.shape) for e in arch_layers()] == \
-        [(e.kernel, e.name, e.shape) for e in read_workloads_file(OUT)]
+    assert [(e.kernel, e.name, e.shape, e.source) for e in arch_layers()] == \
+        [(e.kernel, e.name, e.shape, e.source) for e in read_workloads_file(OUT)]
 
 
 def test_the_collectors_plan_never_draws_a_held_out_shape(held):

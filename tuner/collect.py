@@ -207,7 +207,8 @@ def hw_summary(hw: Any) -> dict:
 
 def _measure_row(spec: KernelSpec, isa: str, name: str, shape: dict, split: str, cfg: Config, m: Measurement,
                  phase: str, compile_s: float | None) -> dict:
-    return {"kind": "m", "kernel": spec.name, "isa": isa, "workload": name, "shape": shape,
+    return {"kind": "m", "kernel": spec.name, "source_hash": spec.source_hash(), "isa": isa, "workload": name,
+            "shape": shape,
             "shape_key": shape_key(shape), "split": split, "phase": phase, "config": cfg,
             "config_key": config_key(cfg), "ok": m.ok, "reason": m.reason, "ms": m.ms, "cv": m.cv, "reps": m.reps,
             "reps_used": m.reps_used, "estimator": m.estimator, "cpu_ms": m.cpu_ms, "nivcsw": m.nivcsw,
@@ -438,8 +439,11 @@ def data_card(path: Path) -> str:
         "measurements). For every bundled kernel and each ISA cap x86-64-v4 / v3 / v2 (AVX-512 / AVX2 / SSE4.2 via "
         "`-march`; the descriptor's ISA and vector bits change with the cap): the kernel's bundled workloads plus "
         f"seeded synthetic shapes spanning edge ranges ({n_shapes} per kernel: {run.get('shapes', '?')} from the "
-        f"base stream, held-out ones included, plus {run.get('extra_shapes', 0)} training-only shapes from a second "
-        "stream; synthetic shapes capped at 40 MFLOP); the base shapes' defaults plus a seeded sample of "
+        f"base stream, held-out ones included, up to {run.get('arch_layers', 0)} training layers of real "
+        "architectures (quantized_models/data/arch_layers.toml, spread over each kernel's layers), plus "
+        f"{run.get('extra_shapes', 0)} training-only synthetic shapes from a second stream; synthetic shapes capped at "
+        "40 MFLOP; no shape of the held-out real layers of bench/real_layers.toml); the base shapes' defaults plus a "
+        "seeded sample of "
         f"{run.get('configs', '?')} configs valid for at least one base shape, each compiled once per ISA and "
         "measured on every shape it is valid for (worker subprocess, "
         "correctness checked against the numpy reference before timing; min_time "

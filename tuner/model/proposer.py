@@ -136,6 +136,7 @@ class ProposeResult:
     expansions: int
     decodes: int
     prompt: str
+    cpu_ms: float = 0.0  # this thread's CPU time (llama.cpp runs in it, n_threads=1): the latency on an idle core
 
 
 class Proposer:
@@ -170,7 +171,7 @@ class Proposer:
         would propose were the device the nearest one its data knows. A knob the model was trained without
         (`unknown_knobs`) takes its value from `unknown_values` (e.g. the incumbent's), else the default.
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         m = self.m
         if bias and any(b > 0 for vs in bias.values() for b in vs.values()):
             raise ValueError("bias must be <= 0 (a positive one would break the exact best-first search)")
@@ -235,7 +236,8 @@ class Proposer:
             if batch:
                 decodes += self._expand(batch, heap, tie, n_prompt)
         m.clear()
-        return ProposeResult(out, (time.perf_counter() - t0) * 1e3, expansions, decodes, prompt)
+        return ProposeResult(out, (time.perf_counter() - t0) * 1e3, expansions, decodes, prompt,
+                             (time.thread_time() - c0) * 1e3)
 
     def _expand(self, batch: list[tuple[_Node, list]], heap: list, tie, n_prompt: int) -> int:
         """Materialise each node's KV + logits, score every candidate value of its next field, push children."""

@@ -1,9 +1,10 @@
 """Strategy `llm`: the tuner model proposes, measurements steer it, and it stops when the neighbourhood says done.
 
-1. First batch (`k`, default 4): the model's top configs, hedged where it is unsure. From its exact top-(4k), the
-   knobs whose probability mass is split (threads 1 vs 2, vector width, tile shape: whichever the model doubts
-   for this prompt) each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch
-   (a top-5 that all said threads=2 on a host where two threads lose was issue #24's worst case).
+1. First batch (`k`, default 4): the model's top configs, hedged where it is unsure. From its exact top-(3k), the
+   knobs whose probability mass is split (vector width, tile shape: whichever the model doubts for this prompt)
+   each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the thread count
+   is always hedged, since what it is worth depends on the device's other load (a top-5 that all said threads=2 on
+   a host where two threads lose was issue #24's worst case).
 2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
    relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
    a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
@@ -41,6 +42,11 @@ log = logging.getLogger(__name__)
 STRATEGY_VERSION = "2"
 DEFAULT_K = 4
 UNSURE = 0.85  # a knob whose leading value holds under this share of the top configs' mass is hedged
+# knobs hedged however sure the model is: what the threads knob is worth depends on what else runs on the device
+# (a 2-thread kernel on a busy 2-core device measured 2-30x slower than on an idle one), which no prompt can say
+ALWAYS_HEDGE = ("threads",)
+HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top-12 costs 14 ms CPU p50, 20 p95 on
+#                 the 35 held-out layers at load ~10 (top-16: 15 / 24; top-5: 10 / 17)
 EVIDENCE_WEIGHT = 1.5  # log-weight per log of a value's best time over the best of all
 PATIENCE = 4
 WIDE_SPREAD = 2.0  # the first batch's slowest over fastest: beyond this, patience doubles
@@ -135,13 +141,16 @@ class LLMStrategy(Strategy):
         self.patience = patience
         self.evidence = evidence
         self.use_history = history  # prompt the model with the measurements (False: evidence bias alone)
-        self.fallback: Anneal | None = None
+        self.fallback: Anneal | None = None  # no usable model: plain anneal
+        self.refiner: Anneal | None = None  # the model has nothing left to propose: local search, same patience
         self.proposer = None
+        self.started = False
         self.first: list[Config] = []
         self.history: list[tuple[Config, float]] = []  # ok measurements, in the order told
         self.since_best = 0
         self.spread: float | None = None
         self.latency_ms: float | None = None
+        self.calls: list[tuple[float, float]] = []  # (wall ms, CPU ms) of each proposal call
         self.model_version: str | None = None  # the proposing model's version; None when it fell back
         self.mapped: list[str] | None = None  # knobs the model was trained without (None: it knows this space)
         try:
@@ -196,13 +205,30 @@ class LLMStrategy(Strategy):
             kw.setdefault("bias", evidence_bias(self.space, self.history, self.evidence))
             if self.use_history:
                 kw.setdefault("history", self.history)
+        kw.setdefault("exclude", self.seen)
         try:
-            res = self.proposer.propose(self.kernel.name, self.space, k, exclude=self.seen, **kw)
+            res = self.proposer.propose(self.kernel.name, self.space, k, **kw)
         except ModelError as e:
             self._fall_back(f"tuner model {self.proposer.m.path} failed while proposing: {e}")
             return []
         self.latency_ms = res.latency_ms + (self.latency_ms or 0.0)
+        self.calls.append((res.latency_ms, res.cpu_ms))
         return [(p.config, p.logprob) for p in res.proposals]
+
+    def _always_hedged(self, batch: list[Config]) -> list[Config]:
+        """The batch, with its last config swapped for the model's best one holding another value of each
+        ALWAYS_HEDGE knob that the batch lacks (when the constraints allow one)."""
+        for name in ALWAYS_HEDGE:
+            if not batch or name not in self.space.names or len({c[name] for c in batch}) > 1:
+                continue
+            top = batch[0][name]
+            alt = self._propose(1, extra=lambda c, n=name, v=top: n not in c or c[n] != v, exclude=self.seen | {
+                config_key(c) for c in batch})
+            if alt and len(batch) > 1:
+                batch = batch[:-1] + [alt[0][0]]
+            elif alt:
+                batch = batch + [alt[0][0]]
+        return batch
 
     def _local(self) -> Config | None:
         """The model's best unmeasured one-knob neighbour of the incumbent. A knob the model was trained without
@@ -223,29 +249,31 @@ class LLMStrategy(Strategy):
     # ---- ask / tell ----------------------------------------------------------------------------------------
 
     def ask(self, n: int) -> list[Config]:
-        if self.fallback is not None:
-            return self.fallback.ask(n)
-        if not self.first:
-            self.first = hedged(self._propose(4 * self.k), self.k, self.space)
+        if self.fallback is None and not self.started:
+            self.started = True
+            self.first = self._always_hedged(hedged(self._propose(HEDGE_POOL * self.k), self.k, self.space))
             if self.first:
                 return list(self.first)
-            if self.fallback is not None:
-                return self.fallback.ask(n)
+        if self.fallback is not None:  # no usable model (from the start, or it failed mid-session)
+            return self.fallback.ask(n)
         if self._converged():
             return []
-        out: list[Config] = []
-        for c, _ in self._propose(max(1, n - 1)):
-            out.append(c)
+        if self.refiner is None:
+            out = self._steered(n)
+            if out or self.fallback is not None:
+                return out or self.fallback.ask(n)
+            # the model has nothing unmeasured left that the constraints allow: local search from the incumbent
+            self.refiner = Anneal(self.space, self.rng.randrange(1 << 30), t0=0.02)
+            self.refiner.seen, self.refiner.best = set(self.seen), self.best
+            self.refiner.current = self.best
+        return self.refiner.ask(n)
+
+    def _steered(self, n: int) -> list[Config]:
+        """The model's best unmeasured config(s) under the measurements, and its best neighbour step."""
+        out = [c for c, _ in self._propose(max(1, n - 1))]
         local = self._local() if n > 1 else None
         if local is not None and config_key(local) not in {config_key(c) for c in out}:
             out = out[:n - 1] + [local]
-        if self.fallback is not None:  # the model failed mid-session
-            return self.fallback.ask(n)
-        if not out:  # the model has nothing unmeasured left that the constraints allow: plain local search
-            self.fallback = Anneal(self.space, self.rng.randrange(1 << 30), t0=0.02)
-            self.fallback.seen, self.fallback.best = set(self.seen), self.best
-            self.fallback.current = self.best
-            return self.fallback.ask(n)
         return out[:n]
 
     def _converged(self) -> bool:
@@ -255,8 +283,9 @@ class LLMStrategy(Strategy):
     def tell(self, cfg: Config, m: Measurement) -> None:
         before = self.best[0] if self.best else None
         super().tell(cfg, m)
-        if self.fallback is not None:
-            self.fallback.tell(cfg, m)
+        for other in (self.fallback, self.refiner):
+            if other is not None:
+                other.tell(cfg, m)
         if m.ok:
             self.history.append((cfg, m.value))
         improved = m.ok and (before is None or m.value < before * (1 - TIE_THRESHOLD))

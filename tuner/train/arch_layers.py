@@ -51,6 +51,10 @@ def _c3(name: str, h: int, w: int, cin: int, cout: int, s: int, src: str) -> Lay
     return ("conv2d_3x3", name, {"H": h, "W": w, "Cin": cin, "Cout": cout, "stride": s}, src)
 
 
+def _c1(name: str, t: int, cin: int, cout: int, k: int, src: str, s: int = 1) -> Layer:
+    return ("conv1d", name, {"T": t, "Cin": cin, "Cout": cout, "K": k, "stride": s}, src)
+
+
 # ---- vision ------------------------------------------------------------------------------------------------
 
 def mobilenet_v1(alpha: float, res: int) -> Iterator[Layer]:
@@ -232,7 +236,7 @@ def whisper_tiny() -> Iterator[Layer]:
     yield ("gemm", "whisper_tiny.enc.attn_proj", {"M": 50, "N": 384, "K": 384}, src)
     yield ("gemm", "whisper_tiny.enc.fc1", {"M": 50, "N": 1536, "K": 384}, src)
     yield ("gemm", "whisper_tiny.enc.fc2", {"M": 50, "N": 384, "K": 1536}, src)
-    yield ("conv1d", "whisper_tiny.conv1_1s", {"T": 100, "Cin": 80, "Cout": 384, "K": 3, "stride": 1}, src)
+    yield _c1("whisper_tiny.conv1_1s", 100, 80, 384, 3, src)
 
 
 def conformer_s() -> Iterator[Layer]:
@@ -260,37 +264,37 @@ def raw_waveform_cnns() -> Iterator[Layer]:
     """Dai et al. 2017 M5 (16 kHz, 1 s: k3 convs after 4x pools) and its 8 kHz, 32-channel variant from the PyTorch
     speech-commands tutorial; SincNet's second conv; an x-vector TDNN's first layer (dilation dropped)."""
     m5 = "M5 raw-waveform CNN (Dai et al. 2017), 1 s at 16 kHz"
-    yield ("conv1d", "m5.conv2", {"T": 1000, "Cin": 128, "Cout": 128, "K": 3, "stride": 1}, m5)
-    yield ("conv1d", "m5.conv3", {"T": 250, "Cin": 128, "Cout": 256, "K": 3, "stride": 1}, m5)
-    yield ("conv1d", "m5.conv4", {"T": 62, "Cin": 256, "Cout": 512, "K": 3, "stride": 1}, m5)
+    yield _c1("m5.conv2", 1000, 128, 128, 3, m5)
+    yield _c1("m5.conv3", 250, 128, 256, 3, m5)
+    yield _c1("m5.conv4", 62, 256, 512, 3, m5)
     m5s = "M5 with 32 channels on 1 s at 8 kHz (PyTorch speech-commands tutorial)"
-    yield ("conv1d", "m5_8k.conv2", {"T": 124, "Cin": 32, "Cout": 32, "K": 3, "stride": 1}, m5s)
-    yield ("conv1d", "m5_8k.conv3", {"T": 31, "Cin": 32, "Cout": 64, "K": 3, "stride": 1}, m5s)
-    yield ("conv1d", "m5_8k.conv4", {"T": 7, "Cin": 64, "Cout": 64, "K": 3, "stride": 1}, m5s)
-    yield ("conv1d", "sincnet.conv2", {"T": 1000, "Cin": 80, "Cout": 60, "K": 5, "stride": 1},
-           "SincNet (Ravanelli & Bengio 2018): second conv 80 -> 60, k5, after the sinc layer's 3x pool")
-    yield ("conv1d", "xvector.frame1", {"T": 200, "Cin": 30, "Cout": 512, "K": 5, "stride": 1},
-           "x-vector TDNN (Snyder et al. 2018) frame1: 30 MFCC -> 512, context 5, 2 s")
+    yield _c1("m5_8k.conv2", 124, 32, 32, 3, m5s)
+    yield _c1("m5_8k.conv3", 31, 32, 64, 3, m5s)
+    yield _c1("m5_8k.conv4", 7, 64, 64, 3, m5s)
+    yield _c1("sincnet.conv2", 1000, 80, 60, 5,
+              "SincNet (Ravanelli & Bengio 2018): second conv 80 -> 60, k5, after the sinc layer's 3x pool")
+    yield _c1("xvector.frame1", 200, 30, 512, 5,
+              "x-vector TDNN (Snyder et al. 2018) frame1: 30 MFCC -> 512, context 5, 2 s")
     yield ("gemm", "xvector.frame4", {"M": 100, "N": 512, "K": 512},
            "x-vector TDNN frame4 (1x1) 512 -> 512 over 1 s")
-    yield ("conv1d", "lpcnet.frame_conv2", {"T": 100, "Cin": 128, "Cout": 128, "K": 3, "stride": 1},
-           "LPCNet (Valin & Skoglund 2019) frame-rate network, second conv 128 -> 128, k3, 1 s")
+    yield _c1("lpcnet.frame_conv2", 100, 128, 128, 3,
+              "LPCNet (Valin & Skoglund 2019) frame-rate network, second conv 128 -> 128, k3, 1 s")
 
 
 def tts_convs() -> Iterator[Layer]:
     """1-D convs of text-to-speech models (dilations dropped: the kernel has none)."""
-    yield ("conv1d", "tacotron2.enc.conv", {"T": 40, "Cin": 512, "Cout": 512, "K": 5, "stride": 1},
-           "Tacotron 2 encoder conv 512 -> 512, k5, over 40 characters")
-    yield ("conv1d", "tacotron2.postnet.conv1", {"T": 100, "Cin": 80, "Cout": 512, "K": 5, "stride": 1},
-           "Tacotron 2 postnet first conv 80 mels -> 512, k5, over 100 frames")
-    yield ("conv1d", "fastspeech2.variance_predictor", {"T": 50, "Cin": 256, "Cout": 256, "K": 3, "stride": 1},
-           "FastSpeech 2 (Ren et al. 2021) variance predictor conv 256 -> 256, k3, over 50 phonemes")
-    yield ("conv1d", "hifigan_v1.conv_pre", {"T": 50, "Cin": 80, "Cout": 512, "K": 7, "stride": 1},
-           "HiFi-GAN V1 (Kong et al. 2020) conv_pre 80 mels -> 512, k7, over 50 frames")
-    yield ("conv1d", "hifigan_v1.resblock.k3", {"T": 200, "Cin": 256, "Cout": 256, "K": 3, "stride": 1},
-           "HiFi-GAN V1 first-stage resblock conv 256 -> 256, k3, over 200 upsampled steps")
-    yield ("conv1d", "wav2letter.conv", {"T": 100, "Cin": 250, "Cout": 250, "K": 7, "stride": 1},
-           "Wav2Letter (Collobert et al. 2016) conv 250 -> 250, k7, over 1 s at 10 ms")
+    for name, t, cin, cout, k, src in [
+        ("tacotron2.enc.conv", 40, 512, 512, 5, "Tacotron 2 encoder conv 512 -> 512, k5, over 40 characters"),
+        ("tacotron2.postnet.conv1", 100, 80, 512, 5, "Tacotron 2 postnet first conv 80 mels -> 512, k5, 100 frames"),
+        ("fastspeech2.variance_predictor", 50, 256, 256, 3,
+         "FastSpeech 2 (Ren et al. 2021) variance predictor conv 256 -> 256, k3, over 50 phonemes"),
+        ("hifigan_v1.conv_pre", 50, 80, 512, 7,
+         "HiFi-GAN V1 (Kong et al. 2020) conv_pre 80 mels -> 512, k7, 50 frames"),
+        ("hifigan_v1.resblock.k3", 200, 256, 256, 3,
+         "HiFi-GAN V1 first-stage resblock conv 256 -> 256, k3, over 200 upsampled steps"),
+        ("wav2letter.conv", 100, 250, 250, 7, "Wav2Letter (Collobert et al. 2016) conv 250 -> 250, k7, 1 s at 10 ms"),
+    ]:
+        yield _c1(name, t, cin, cout, k, src)
 
 
 def speech_grus() -> Iterator[Layer]:

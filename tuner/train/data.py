@@ -128,7 +128,7 @@ def load_collector(path: Path, cases: dict | None = None) -> dict[tuple, Case]:
             continue
         add_measurement(cases, r["kernel"], r["isa"], r["shape"], r["workload"], r["split"],
                         hws.get(r["isa"]) or _local_hw(r["isa"]), r["config"], r["ok"], r.get("ms"), r.get("phase", ""),
-                        r.get("leaders"))
+                        r.get("leaders"), r.get("source_hash"))
     return cases
 
 
@@ -150,15 +150,40 @@ def is_real_heldout(kernel: str, shape: dict) -> bool:
         return False
 
 
+def current_kernel(kernel: str, source_hash: str | None, cfg: dict) -> bool:
+    """Whether a measurement describes this edgetune's kernel: a kernel it bundles, from the same C source when the
+    row says which (`source_hash`; rows from before it was recorded are taken at their word), with a config of
+    exactly its current knobs and values. Records of an older or newer kernel (a device on another edgetune
+    version, data collected before a kernel changed) time another implementation, or configs the model cannot
+    write: they are left out of training."""
+    from kernels.registry import all_specs
+
+    spec = all_specs().get(kernel)
+    if spec is None or (source_hash and source_hash != _source_hash(spec)):
+        return False
+    return set(cfg) == {p.name for p in spec.params} and all(cfg[p.name] in p.values for p in spec.params)
+
+
+_SOURCE_HASHES: dict[str, str] = {}
+
+
+def _source_hash(spec) -> str:
+    if spec.name not in _SOURCE_HASHES:
+        _SOURCE_HASHES[spec.name] = spec.source_hash()
+    return _SOURCE_HASHES[spec.name]
+
+
 def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: str, split: str, hw: dict,
-                    cfg: dict, ok: bool, ms: float | None, phase: str = "", leaders: str | None = None) -> None:
-    """Add one journal row. A confirmation row of other leaders than the case's current ones starts over: a case's
-    leaders only change by more rows joining them, so the later confirmation is of the current leaders, and rounds
-    hours apart are not comparable. A held-out real layer (`is_real_heldout`) never becomes a case: a device's
-    records of one (the bench tunes them) must not leak into training."""
+                    cfg: dict, ok: bool, ms: float | None, phase: str = "", leaders: str | None = None,
+                    source_hash: str | None = None) -> bool:
+    """Add one journal row; False when it was left out. A confirmation row of other leaders than the case's current
+    ones starts over: a case's leaders only change by more rows joining them, so the later confirmation is of the
+    current leaders, and rounds hours apart are not comparable. A held-out real layer (`is_real_heldout`) never
+    becomes a case: a device's records of one (the bench tunes them) must not leak into training; nor does a row of
+    another kernel version (`current_kernel`)."""
     key = case_key(kernel, isa, shape, hw)
-    if key not in cases and is_real_heldout(kernel, shape):
-        return
+    if not current_kernel(kernel, source_hash, cfg) or key not in cases and is_real_heldout(kernel, shape):
+        return False
     c = cases.get(key)
     if c is None:
         c = cases[key] = Case(kernel, isa, dict(shape), workload, split, hw)
@@ -171,6 +196,7 @@ def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: s
         (c.confirm_ms if phase == "confirm" else c.ms).setdefault(k, []).append(float(ms))
     else:
         c.failed.add(k)
+    return True
 
 
 def iter_record_sources(path: Path) -> Iterable[dict]:
@@ -212,7 +238,8 @@ def load_records(path: Path, cases: dict | None = None, heldout: set | None = No
             hw = hw_summary(HwDescriptor.from_dict(hw))
         for m in rec["measurements"]:
             add_measurement(cases, rec["kernel"], isa, shape, rec.get("workload", ""), "train", hw,
-                            m["config"], bool(m.get("ok")), m.get("ms"), m.get("phase", ""))
+                            m["config"], bool(m.get("ok")), m.get("ms"), m.get("phase", ""),
+                            source_hash=rec.get("source_hash"))
     return cases, n
 
 
