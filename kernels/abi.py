@@ -19,6 +19,18 @@ from kernels.spec import HEADER, KernelSpec, act_code
 _I64P = ctypes.POINTER(ctypes.c_int64)
 
 
+def aligned(shape: int | Sequence[int], fill: float | np.ndarray = np.nan) -> np.ndarray:
+    """A float32 array on a 64-byte boundary, filled with `fill` (a value or an array to copy). Kernels time what
+    an application runs, whose tensors sit on cache-line boundaries: a buffer numpy placed at 16 mod 64 splits
+    every AVX-512 vector load across two lines (dwconv 56x56x144: +13% median, measured)."""
+    n = int(np.prod(shape))
+    raw = np.empty(n + 16, dtype=np.float32)
+    skip = (-raw.ctypes.data % 64) // 4
+    out = raw[skip:skip + n].reshape(shape)
+    out[...] = fill
+    return out
+
+
 @cache
 def abi_version() -> int:
     """ET_ABI_VERSION as the shared header defines it: what every build must report."""
@@ -63,9 +75,7 @@ class KernelLibrary:
         n = int(self.lib.et_packed_floats(dims))
         if n <= 0:
             return None
-        raw = np.empty(n + 16, dtype=np.float32)
-        skip = (-raw.ctypes.data % 64) // 4
-        packed = raw[skip:skip + n]
+        packed = aligned(n, 0.0)
         rc = self.lib.et_pack(dims, ptrs, packed.ctypes.data)
         if rc != 0:
             raise KernelError(f"{self.spec.name}: et_pack returned error code {rc}", rc)

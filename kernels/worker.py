@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.abi import aligned
 from kernels.measure import Measurement, estimate
 from kernels.space import Shape
 from kernels.spec import KernelSpec
@@ -142,7 +143,7 @@ def _case(spec: KernelSpec, shape: Shape, seed: int) -> tuple[list[np.ndarray], 
     """Inputs and reference outputs, computed once per worker for each (kernel, shape, seed)."""
     key = (spec.name, tuple(sorted(shape.items())), seed)
     if key not in _CASES:
-        inputs = [np.ascontiguousarray(a, dtype=np.float32) for a in spec.make_inputs(shape, np.random.default_rng(seed))]
+        inputs = [aligned(a.shape, a) for a in spec.make_inputs(shape, np.random.default_rng(seed))]
         _CASES.clear()  # one case at a time keeps worker memory flat
         _CASES[key] = (inputs, spec.reference(shape, inputs))
     return _CASES[key]
@@ -170,7 +171,7 @@ def _serve_one(req: dict[str, Any]) -> dict[str, Any]:
     shape, act = req["shape"], req.get("act", "none")
     inputs, ref = _case(spec, shape, req["seed"])
     ref = spec.activated(ref, act)
-    outputs = [np.full(s, np.nan, dtype=np.float32) for s in spec.output_shapes(shape)]
+    outputs = [aligned(s) for s in spec.output_shapes(shape)]
     try:
         lib = KernelLibrary(req["so"], spec)
     except AbiMismatch as e:

@@ -131,3 +131,19 @@ def test_pool_restarts_in_a_forked_child(hw):
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung in the kernel")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_buffers_the_worker_times_sit_on_cache_lines():
+    """The worker's inputs, outputs and packed buffers are 64-byte aligned, as an application's tensors are."""
+    from kernels.abi import aligned
+    from kernels.worker import _case
+
+    src = np.arange(35, dtype=np.float64).reshape(5, 7)
+    for shape in [(1,), (5, 7), (3, 1, 9)]:
+        a = aligned(shape)
+        assert a.shape == shape and a.ctypes.data % 64 == 0 and np.isnan(a).all()
+    b = aligned(src.shape, src)
+    assert b.ctypes.data % 64 == 0 and b.dtype == np.float32 and (b == src).all()
+    spec = get_spec("dwconv_3x3")
+    inputs, _ = _case(spec, spec.workloads[0].shape, 0)
+    assert all(x.ctypes.data % 64 == 0 and x.flags.c_contiguous for x in inputs)

@@ -195,7 +195,8 @@ def test_train_from_records_jsonl(tmp_path):
 
     cases = D.load_collector(D.DEFAULT_DATA)
     recs = []
-    for c in list(cases.values())[:6]:
+    kernel = next(iter(cases.values())).kernel
+    for c in [c for c in cases.values() if c.kernel == kernel][:6]:
         recs.append({"kernel": c.kernel, "workload": c.workload, "shape": c.shape, "isa": c.isa,
                      "hw_fingerprint": "x", "strategy": "anneal", "measurements": [
                          {"phase": "search", "seq": i, "config": c.configs[k], "ok": True, "reason": "", "ms": ms,
@@ -215,7 +216,8 @@ def test_train_from_records_jsonl(tmp_path):
     prop = Proposer(path=model)
     from hwprobe import probe
 
-    res = prop.propose("gemm", GEMM.space(FC.shape, probe(measure_bandwidth=False)), 3)
+    spec = get_spec(kernel)
+    res = prop.propose(kernel, spec.space(spec.workloads[0].shape, probe(measure_bandwidth=False)), 3)
     assert len(res.proposals) == 3
 
 
