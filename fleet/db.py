@@ -98,6 +98,11 @@ class _Conn:
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
         return self._conn.execute(pg_sql(sql), tuple(args))
 
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Every row's statement in one pipeline (psycopg sends them without waiting for each answer), in order."""
+        with self._conn.cursor() as cur:
+            cur.executemany(pg_sql(sql), [tuple(r) for r in rows])
+
 
 class PgStore:
     """One connection to one PostgreSQL database, migrated to `SCHEMA` on open; the PostgreSQL twin of

@@ -3,8 +3,9 @@
 Topics and payloads follow the wire protocol (edgetune.protocol, docs/protocol.md). Validation is lenient about extra or missing
 optional fields and strict only where storage needs it (a status state, a telemetry seq, a record's kernel and
 workload, a response status). Anything else that is wrong with a payload makes it "malformed": logged, noted in
-the `malformed` table and skipped. `ingest` never raises for a payload; it raises only `DBError` (disk full, DB
-locked, damaged pages), which the listener treats as "do not acknowledge, retry later".
+the `malformed` table and skipped. `ingest` (one message) and `ingest_batch` (many, in one transaction) never
+raise for a payload; they raise only `DBError` (disk full, DB locked, damaged pages), which the listener treats as
+"do not acknowledge, retry later".
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from edgetune import protocol as wire
 from edgetune.protocol import CMD_RES, COMMAND_STATES, STATUS_STATES, TERMINAL_STATES, ProtocolError
 from edgetune.sqlite import DBError
-from fleet.store import FleetStore
+from fleet.store import FleetStore, Sample
 
 log = logging.getLogger("fleet.ingest")
 
 SUBSCRIPTION = wire.topic_filter()
+Incoming = tuple[str, bytes, bool]  # a message as the listener hands it over: topic, payload, retained
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 
 
@@ -208,7 +210,8 @@ def _record(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
     return Outcome("record", device, detail, ack=wire.record_ack_key(rid) if rid else None)
 
 
-def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _sample(device: str, payload: bytes, retained: bool, now: float) -> tuple[Sample, float | None]:
+    """A telemetry payload, validated, and the device's last-seen time it proves; Malformed when it cannot be."""
     obj = wire.decode(payload, wire.TELEMETRY.sub)
     seq = _int(obj.get("seq"))
     if seq is None:
@@ -217,7 +220,12 @@ def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retaine
          "state": _text(obj.get("state"), 50)}
     for k in ("cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss"):
         t[k] = _num(obj.get(k))
-    new = store.put_telemetry(device, t, obj, now, _seen(t["ts"], retained, now))
+    return Sample(device, t, obj), _seen(t["ts"], retained, now)
+
+
+def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    x, seen = _sample(device, payload, retained, now)
+    new = store.put_telemetry(device, x.fields, x.payload, now, seen)
     return Outcome("telemetry", device, "new" if new else "duplicate")
 
 
@@ -251,22 +259,102 @@ _HANDLERS: dict[wire.TopicSpec, Handler] = {
 
 
 def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False, now: float | None = None) -> Outcome:
-    """Store one message. Never raises for a bad topic or payload; raises DBError only."""
+    """Store one message in its own transaction. Never raises for a bad topic or payload; raises DBError only."""
     now = time.time() if now is None else now
     payload = bytes(payload or b"")
-    device = None
     try:
-        parsed = wire.parse_topic(topic)
-        device = parsed.device_id
-        handler = _HANDLERS.get(parsed.spec) if parsed.spec else None
-        if handler is None:
-            log.debug("ignoring %s: not a topic this fleet receiver knows", topic)
-            return Outcome("ignored", device, parsed.sub)
-        return handler(store, device, parsed.sub, payload, retained, now)
+        return _dispatch(store, topic, payload, retained, now)
     except DBError:
         raise  # the DB, not the payload: the caller retries
     except Exception as e:  # Malformed, or whatever else an odd payload provoked: skip it, keep running
-        err = str(e) if isinstance(e, ProtocolError) else f"{type(e).__name__}: {str(e)[:300]}"
-        log.warning("skipped a malformed message on %s: %s", topic[:300], err)
-        store.put_malformed(device, topic[:1000], err, payload, now)
-        return Outcome("malformed", device, error=err)
+        return _malformed(store, topic, payload, now, e)
+
+
+def ingest_batch(store: FleetStore, messages: Sequence[Incoming], now: float | None = None) -> list[Outcome]:
+    """Store many messages in one transaction (FleetStore.batch), with the outcomes `ingest` gives each in turn,
+    for one commit. Telemetry, nearly all of the traffic, is validated before the transaction opens and inserted
+    with one statement. Raises DBError only. A value the database refuses (PostgreSQL text cannot hold NUL) aborts
+    the whole transaction, and which message held it is not known: the batch is then stored again one message per
+    transaction, so that one is skipped as malformed and the others are stored."""
+    now = time.time() if now is None else now
+    messages = [(topic, bytes(payload or b""), retained) for topic, payload, retained in messages]
+    plans = [_plan(topic, payload, retained, now) for topic, payload, retained in messages]
+    devices: dict[str, float | None] = {}
+    for p in plans:
+        if p.device is not None:
+            devices[p.device] = max((t for t in (devices.get(p.device), p.seen) if t is not None), default=None)
+    try:
+        with store.batch(devices, now):
+            return _store_batch(store, messages, plans, now)
+    except DBError:
+        raise
+    except Exception as e:
+        log.warning("the fleet DB refused a batch of %d messages (%s: %s); storing them one at a time",
+                    len(messages), type(e).__name__, str(e)[:200])
+        return [ingest(store, topic, payload, retained, now) for topic, payload, retained in messages]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a batch knows about a message before its transaction: the device it is about (None: no device row to
+    touch), and for telemetry the validated sample or why it is malformed."""
+
+    device: str | None
+    sample: Sample | None = None
+    seen: float | None = None
+    error: Exception | None = None
+
+
+def _plan(topic: str, payload: bytes, retained: bool, now: float) -> _Plan:
+    try:
+        parsed = wire.parse_topic(topic)
+    except Exception:
+        return _Plan(None)  # stored as malformed inside the batch
+    if parsed.spec not in _HANDLERS:
+        return _Plan(None)
+    if parsed.spec is not wire.TELEMETRY:
+        return _Plan(parsed.device_id)
+    try:
+        x, seen = _sample(parsed.device_id, payload, retained, now)
+    except Exception as e:
+        return _Plan(None, error=e)
+    return _Plan(parsed.device_id, x, seen)
+
+
+def _store_batch(store: FleetStore, messages: list[Incoming], plans: list[_Plan], now: float) -> list[Outcome]:
+    out: list[Outcome | None] = []
+    samples: list[tuple[int, Sample]] = []
+    for i, ((topic, payload, retained), plan) in enumerate(zip(messages, plans)):
+        if plan.sample is not None:
+            samples.append((i, plan.sample))
+            out.append(None)
+        elif plan.error is not None:
+            out.append(_malformed(store, topic, payload, now, plan.error))
+        else:
+            try:
+                out.append(_dispatch(store, topic, payload, retained, now))
+            except ProtocolError as e:  # raised by validation, before the handler wrote anything
+                out.append(_malformed(store, topic, payload, now, e))
+    for (i, x), new in zip(samples, store.put_telemetry_many([x for _, x in samples], now)):
+        out[i] = Outcome("telemetry", x.device, "new" if new else "duplicate")
+    return out  # type: ignore[return-value]  # every slot is filled
+
+
+def _dispatch(store: FleetStore, topic: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    parsed = wire.parse_topic(topic)
+    handler = _HANDLERS.get(parsed.spec) if parsed.spec else None
+    if handler is None:
+        log.debug("ignoring %s: not a topic this fleet receiver knows", topic)
+        return Outcome("ignored", parsed.device_id, parsed.sub)
+    return handler(store, parsed.device_id, parsed.sub, payload, retained, now)
+
+
+def _malformed(store: FleetStore, topic: str, payload: bytes, now: float, e: Exception) -> Outcome:
+    err = str(e) if isinstance(e, ProtocolError) else f"{type(e).__name__}: {str(e)[:300]}"
+    log.warning("skipped a malformed message on %s: %s", topic[:300], err)
+    try:
+        device = wire.parse_topic(topic).device_id
+    except Exception:
+        device = None
+    store.put_malformed(device, topic[:1000], err, payload, now)
+    return Outcome("malformed", device, error=err)

@@ -8,7 +8,9 @@ retained message seen again after a reconnect, or an outbox re-send never counts
 - telemetry by (device, boot_id, seq);
 - status history by (device, state, session, ts).
 
-Every write is one transaction that commits before the listener acknowledges the message to the broker.
+Every write is one transaction that commits before the listener acknowledges the message to the broker; the
+listener stores many messages in one transaction (`batch`: the put_* methods called inside join it), so a commit,
+and its fsync, is paid per batch rather than per message.
 The schema is versioned with PRAGMA user_version and tagged with PRAGMA application_id (on PostgreSQL: a metadata
 table, see fleet.db).
 
@@ -16,16 +18,20 @@ Several receivers may write to one PostgreSQL at once (MQTT shared subscriptions
 them). That is safe without application locks: every write first upserts the device row (`_touch`), which
 row-locks it until commit, so two transactions about one device run one after the other; and every insert that
 could arrive twice carries a unique constraint and `ON CONFLICT DO NOTHING`, so a copy that races its twin is
-dropped by the database, not by an earlier read.
+dropped by the database, not by an earlier read. A batch about many devices locks their rows first, all of them
+and in sorted order (`batch`), so two receivers' batches wait for each other instead of deadlocking.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator, Mapping, Sequence
 
 from edgetune import paths
 from edgetune.protocol import EXPIRED, TERMINAL_STATES
@@ -116,6 +122,24 @@ FIX = "move it aside (rename it) or pass --db with another path"
 PRUNE_BATCH = 5000  # telemetry rows deleted per transaction, so a prune never holds the writers up for long
 
 
+TOUCH_SQL = (  # create the device row if new; last_seen moves forward only, last_received to now
+    "INSERT INTO devices (id, first_seen, last_seen, last_received) VALUES (?,?,?,?) "
+    "ON CONFLICT(id) DO UPDATE SET last_received=excluded.last_received, last_seen=CASE "
+    " WHEN excluded.last_seen IS NULL THEN devices.last_seen"
+    " WHEN devices.last_seen IS NULL OR excluded.last_seen > devices.last_seen THEN excluded.last_seen"
+    " ELSE devices.last_seen END")
+TELEMETRY_FIELDS = ("boot_id", "seq", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One telemetry message, validated: `fields` holds TELEMETRY_FIELDS, `payload` the message as received."""
+
+    device: str
+    fields: dict
+    payload: dict
+
+
 def default_path() -> Path:
     return paths.state_dir() / "fleet.db"
 
@@ -140,27 +164,45 @@ class FleetStore(Store):
 
     SCHEMA = Schema("fleet DB", APP_ID, tuple(MIGRATIONS))
 
+    _batch: tuple[int, Any] | None = None  # (thread, connection) of the open batch transaction
+
     def __init__(self, path: Path | str | None = None, *, threads: bool = False):
         # FULL: a commit is on disk before the listener acks the message to the broker
         super().__init__(Path(path) if path else default_path(), synchronous="FULL", threads=threads, fix=FIX)
+
+    # ---- transactions --------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def batch(self, devices: Mapping[str, float | None], now: float) -> Iterator[None]:
+        """One transaction for many writes: the put_* methods called inside it, in this thread, join it. It first
+        touches every device the batch is about (`devices`: each one's newest last_seen, or None), in sorted order:
+        that row-locks them until the commit in the same order in every receiver, so receivers sharing one
+        PostgreSQL wait for each other but never deadlock."""
+        with self.tx() as c:
+            c.executemany(TOUCH_SQL, [(d, now, seen, now) for d, seen in sorted(devices.items())])
+            self._batch = (threading.get_ident(), c)
+            try:
+                yield
+            finally:
+                self._batch = None
+
+    def _write(self) -> ContextManager[Any]:
+        """The transaction a write runs in: the open batch's (same thread), else one of its own."""
+        if self._batch is not None and self._batch[0] == threading.get_ident():
+            return contextlib.nullcontext(self._batch[1])
+        return self.tx()
 
     # ---- writes (each one transaction) ---------------------------------------------------------------------
 
     @staticmethod
     def _touch(c: Any, device: str, now: float, seen: float | None) -> None:
         """Create the device row if new; move last_seen forward (never back) and last_received to now."""
-        c.execute(
-            "INSERT INTO devices (id, first_seen, last_seen, last_received) VALUES (?,?,?,?) "
-            "ON CONFLICT(id) DO UPDATE SET last_received=excluded.last_received, last_seen=CASE "
-            " WHEN excluded.last_seen IS NULL THEN devices.last_seen"
-            " WHEN devices.last_seen IS NULL OR excluded.last_seen > devices.last_seen THEN excluded.last_seen"
-            " ELSE devices.last_seen END",
-            (device, now, seen, now))
+        c.execute(TOUCH_SQL, (device, now, seen, now))
 
     def put_status(self, device: str, state: str, session: int | None, version: str | None, ts: float | None,
                    retained: bool, now: float, seen: float | None) -> bool:
         """Record a status message; the newest one received sets the device state. Returns whether it changed."""
-        with self.tx() as c:
+        with self._write() as c:
             self._touch(c, device, now, seen)
             c.execute("INSERT INTO status_history (device_id, state, session, version, ts, retained, received_at)"
                       " VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
@@ -172,7 +214,7 @@ class FleetStore(Store):
         return old != state
 
     def put_info(self, device: str, info: dict, hw: dict, now: float, seen: float | None) -> None:
-        with self.tx() as c:
+        with self._write() as c:
             self._touch(c, device, now, seen)
             c.execute("UPDATE devices SET info_json=?, info_at=?, cpu_model=?, arch=?, isa=?, vector_bits=?, cores=?,"
                       " hw_fingerprint=coalesce(?, hw_fingerprint), fw_fingerprint=coalesce(?, fw_fingerprint),"
@@ -189,7 +231,7 @@ class FleetStore(Store):
                    seen: float | None) -> None:
         """Replace the device's active configs with this document's (None: the retained document was cleared).
         `meta` holds the document's validated model_version, hw_fingerprint and fw_fingerprint."""
-        with self.tx() as c:
+        with self._write() as c:
             self._touch(c, device, now, seen)
             c.execute("DELETE FROM active_configs WHERE device_id=?", (device,))
             for e in entries:
@@ -210,7 +252,7 @@ class FleetStore(Store):
         text = _dumps(payload)
         n = fields["n_measurements"]
         terminal = fields.get("state") in TERMINAL_RECORD_STATES
-        with self.tx() as c:
+        with self._write() as c:
             self._touch(c, device, now, seen)
             old = c.execute("SELECT id, payload_json, n_measurements, state FROM records WHERE device_id=? AND"
                             " record_uid=?", (device, uid)).fetchone()
@@ -236,18 +278,26 @@ class FleetStore(Store):
 
     def put_telemetry(self, device: str, t: dict, payload: dict, now: float, seen: float | None) -> bool:
         """Store one telemetry sample; False when (device, boot_id, seq) was already stored."""
-        with self.tx() as c:
+        with self._write() as c:
             self._touch(c, device, now, seen)
-            cur = c.execute("INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c,"
-                            " freq_mhz, mem_used, rss, state, payload_json, received_at)"
-                            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
-                            (device, t["boot_id"], t["seq"], t["ts"], t["cpu_percent"], t["load1"], t["temp_c"],
-                             t["freq_mhz"], t["mem_used"], t["rss"], t["state"], _dumps(payload), now))
-            return cur.rowcount == 1
+            return self._insert_telemetry(c, [Sample(device, t, payload)], now)[0]
+
+    def put_telemetry_many(self, samples: Sequence[Sample], now: float) -> list[bool]:
+        """Store telemetry samples inside a `batch` that touched their devices; per sample, False when (device,
+        boot_id, seq) was already stored (a second copy in the same call included)."""
+        with self._write() as c:
+            return self._insert_telemetry(c, samples, now)
+
+    def _insert_telemetry(self, c: Any, samples: Sequence[Sample], now: float) -> list[bool]:
+        return [c.execute("INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz,"
+                          " mem_used, rss, state, payload_json, received_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                          " ON CONFLICT DO NOTHING",
+                          (x.device, *(x.fields[k] for k in TELEMETRY_FIELDS), _dumps(x.payload), now)).rowcount == 1
+                for x in samples]
 
     def put_command(self, device: str, cmd_id: str, op: str | None, args: Any, expires_at: float | None,
                     now: float) -> None:
-        with self.tx() as c:
+        with self._write() as c:
             self._touch(c, device, now, None)
             c.execute("INSERT INTO commands (device_id, id, op, args_json, expires_at, requested_at, updated_at)"
                       " VALUES (?,?,?,?,?,?,?) ON CONFLICT(device_id, id) DO UPDATE SET op=excluded.op,"
@@ -258,7 +308,7 @@ class FleetStore(Store):
     def put_response(self, device: str, cmd_id: str, status: str, progress: Any, reason: str | None, result: Any,
                      now: float) -> None:
         """Log a response; the command's status follows it, except that a final status is never undone."""
-        with self.tx() as c:
+        with self._write() as c:
             self._touch(c, device, now, now)
             c.execute("INSERT INTO command_responses (device_id, command_id, status, progress_json, reason,"
                       " result_json, received_at) VALUES (?,?,?,?,?,?,?)",
@@ -276,7 +326,7 @@ class FleetStore(Store):
     def put_malformed(self, device: str | None, topic: str, error: str, payload: bytes, now: float) -> None:
         # the log must take whatever arrived: PostgreSQL text cannot hold NUL, so it is spelled out
         device, topic, error = (None if x is None else x.replace("\0", "\\0") for x in (device, topic, error[:500]))
-        with self.tx() as c:
+        with self._write() as c:
             c.execute("INSERT INTO malformed (device_id, topic, error, payload_head, payload_bytes, received_at)"
                       " VALUES (?,?,?,?,?,?)", (device, topic, error, bytes(payload[:256]), len(payload), now))
             c.execute("DELETE FROM malformed WHERE id <= (SELECT max(id) FROM malformed) - ?", (MALFORMED_KEEP,))
@@ -502,6 +552,25 @@ class PgFleetStore(PgStore, FleetStore):
 
     def __init__(self, url: str, *, threads: bool = False):  # a psycopg connection is thread-safe already
         PgStore.__init__(self, url, fix="point [fleet] database (or --db) at a database of its own")
+
+    def _insert_telemetry(self, c: Any, samples: Sequence[Sample], now: float) -> list[bool]:
+        """One statement for the whole batch (a round trip per sample is what limits a receiver on PostgreSQL):
+        the samples as arrays, unnested in order; RETURNING names the rows that were new."""
+        if not samples:
+            return []
+        cols = [[x.device for x in samples], *([x.fields[k] for x in samples] for k in TELEMETRY_FIELDS),
+                [_dumps(x.payload) for x in samples]]
+        new = {tuple(r) for r in c.execute(
+            "INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss,"
+            " state, payload_json, received_at) SELECT u.*, ? FROM unnest(?::text[], ?::text[], ?::bigint[],"
+            " ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::text[],"
+            " ?::text[]) AS u ON CONFLICT DO NOTHING RETURNING device_id, boot_id, seq", (now, *cols)).fetchall()}
+        out = []
+        for x in samples:  # the first copy of a key is the new one
+            key = (x.device, x.fields["boot_id"], x.fields["seq"])
+            out.append(key in new)
+            new.discard(key)
+        return out
 
 
 def open_fleet_store(db: Path | str | None = None, *, threads: bool = False) -> FleetStore:
