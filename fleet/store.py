@@ -179,7 +179,7 @@ class FleetStore(Store):
         that row-locks them until the commit in the same order in every receiver, so receivers sharing one
         PostgreSQL wait for each other but never deadlock."""
         with self.tx() as c:
-            c.executemany(TOUCH_SQL, [(d, now, seen, now) for d, seen in sorted(devices.items())])
+            self._touch_many(c, sorted(devices.items()), now)
             self._batch = (threading.get_ident(), c)
             try:
                 yield
@@ -198,6 +198,10 @@ class FleetStore(Store):
     def _touch(c: Any, device: str, now: float, seen: float | None) -> None:
         """Create the device row if new; move last_seen forward (never back) and last_received to now."""
         c.execute(TOUCH_SQL, (device, now, seen, now))
+
+    def _touch_many(self, c: Any, devices: Sequence[tuple[str, float | None]], now: float) -> None:
+        """`_touch` of each (device, seen), in this order."""
+        c.executemany(TOUCH_SQL, [(d, now, seen, now) for d, seen in devices])
 
     def put_status(self, device: str, state: str, session: int | None, version: str | None, ts: float | None,
                    retained: bool, now: float, seen: float | None) -> bool:
@@ -553,18 +557,26 @@ class PgFleetStore(PgStore, FleetStore):
     def __init__(self, url: str, *, threads: bool = False):  # a psycopg connection is thread-safe already
         PgStore.__init__(self, url, fix="point [fleet] database (or --db) at a database of its own")
 
+    # A round trip, and a parse, per row is what limits a receiver on PostgreSQL: a batch's touches and its
+    # telemetry are one statement each, the rows sent as arrays (in binary) and unnested in order.
+
+    def _touch_many(self, c: Any, devices: Sequence[tuple[str, float | None]], now: float) -> None:
+        if devices:
+            c.execute(TOUCH_SQL.replace("VALUES (?,?,?,?)", "SELECT d, ?::float8, s, ?::float8 FROM"
+                                        " unnest(?::text[], ?::float8[]) WITH ORDINALITY AS u(d, s, i) ORDER BY i"),
+                      (now, now, [d for d, _ in devices], [seen for _, seen in devices]), binary=True)
+
     def _insert_telemetry(self, c: Any, samples: Sequence[Sample], now: float) -> list[bool]:
-        """One statement for the whole batch (a round trip per sample is what limits a receiver on PostgreSQL):
-        the samples as arrays, unnested in order; RETURNING names the rows that were new."""
         if not samples:
             return []
         cols = [[x.device for x in samples], *([x.fields[k] for x in samples] for k in TELEMETRY_FIELDS),
                 [_dumps(x.payload) for x in samples]]
         new = {tuple(r) for r in c.execute(
             "INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss,"
-            " state, payload_json, received_at) SELECT u.*, ? FROM unnest(?::text[], ?::text[], ?::bigint[],"
+            " state, payload_json, received_at) SELECT u.*, ?::float8 FROM unnest(?::text[], ?::text[], ?::bigint[],"
             " ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::text[],"
-            " ?::text[]) AS u ON CONFLICT DO NOTHING RETURNING device_id, boot_id, seq", (now, *cols)).fetchall()}
+            " ?::text[]) AS u ON CONFLICT DO NOTHING RETURNING device_id, boot_id, seq", (now, *cols),
+            binary=True).fetchall()}
         out = []
         for x in samples:  # the first copy of a key is the new one
             key = (x.device, x.fields["boot_id"], x.fields["seq"])
