@@ -61,6 +61,48 @@ def load() -> str:
     return "load %.2f %.2f %.2f on %d cores" % (*os.getloadavg(), os.cpu_count())
 
 
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of a process, with its children reaped or alive (PostgreSQL's backends are the postmaster's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    own = _stat(pid)
+    total = sum(int(x) for x in own[11:15])  # utime stime cutime cstime
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                st = _stat(int(d.name))
+            except OSError:
+                continue
+            if int(st[1]) == pid:
+                total += int(st[11]) + int(st[12])
+    return total / tick
+
+
+class Cpu:
+    """CPU seconds spent by each part during a phase: the receivers (this process's reaped children), the broker,
+    PostgreSQL, and the simulator (this process)."""
+
+    def __init__(self, broker: Mosquitto, pg: PgCluster | None):
+        self.pids = {"broker": broker.proc.pid}
+        if pg is not None:
+            self.pids["postgresql"] = int((pg.dir / "data" / "postmaster.pid").read_text().split()[0])
+        self.start = self._now()
+
+    def _now(self) -> dict[str, float]:
+        t = os.times()
+        return {"receivers": t.children_user + t.children_system, "simulator": t.user + t.system,
+                **{k: cpu_s(pid) for k, pid in self.pids.items()}}
+
+    def per_1000(self, messages: int) -> str:
+        """CPU ms per 1000 messages, by part (the receivers only once they were all stopped)."""
+        end = self._now()
+        return ", ".join(f"{k} {1000 * 1000 * (end[k] - self.start[k]) / messages:.0f}" for k in end)
+
+
 def restart_sec() -> float:
     """The fleet unit's RestartSec, in seconds: how long systemd leaves a crashed receiver down."""
     for line in UNIT.read_text().splitlines():
@@ -206,11 +248,13 @@ def burst(broker: Mosquitto, db: str, receivers: int, messages: int, work: Path,
             "batch": [s.get("batches", {}).get("messages_per_batch") for s in stats], "load": load()}
 
 
-def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, work: Path) -> dict:
+def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, work: Path,
+              pg: PgCluster | None) -> dict:
     group = f"s{uuid.uuid4().hex[:6]}"
     recv = [Receiver(broker, db, f"sustained-{group}-{i}", group if receivers > 1 else None, work / f"s{i}.log")
             for i in range(receivers)]
     load_before = load()
+    cpu = Cpu(broker, pg)
     t_start = time.monotonic()
     for r in recv:
         r.start()
@@ -250,6 +294,7 @@ def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, 
             "redelivered_deduped": sum(s.get("messages", {}).get("telemetry:duplicate", 0) for s in stats),
             "startup_s": startup_s, "restart_after_s": down, **lag_report(rows, kill_at, restart_at),
             "receivers": [s.get("batches") for s in stats], "publisher_behind_max_s": behind,
+            "cpu_ms_per_1000_messages": cpu.per_1000(n * seconds + 4 * n),
             "load_before": load_before, "load_after": load()}
 
 
@@ -349,7 +394,8 @@ def main() -> int:
               f"{args.receivers} receiver(s) (2: sharing the subscription), one SIGKILLed half-way and restarted "
               f"{restart_sec():g} s later (the unit's RestartSec)")
         db = pg.create_db() if args.backend == "postgresql" else str(work / "sustained.db")
-        r = sustained(broker, db, args.devices, int(args.minutes * 60), args.receivers, work)
+        r = sustained(broker, db, args.devices, int(args.minutes * 60), args.receivers, work,
+                      pg if args.backend == "postgresql" else None)
         for k, v in r.items():
             print(f"   {k}: {v:.3f}" if isinstance(v, float) else f"   {k}: {v}", flush=True)
         print(f"\n3. dashboard pages with that fleet in the DB (fleet serve, {args.backend}; target p95 < 300 ms)")

@@ -27,6 +27,7 @@ log = logging.getLogger("fleet.ingest")
 
 SUBSCRIPTION = wire.topic_filter()
 Incoming = tuple[str, bytes, bool]  # a message as the listener hands it over: topic, payload, retained
+OTHERS_PER_TX = 50  # non-telemetry messages per transaction: they hold their devices' rows until its commit
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 
 
@@ -271,27 +272,27 @@ def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False
 
 
 def ingest_batch(store: FleetStore, messages: Sequence[Incoming], now: float | None = None) -> list[Outcome]:
-    """Store many messages in one transaction (FleetStore.batch), with the outcomes `ingest` gives each in turn,
-    for one commit. Telemetry, nearly all of the traffic, is validated before the transaction opens and inserted
-    with one statement. Raises DBError only. A value the database refuses (PostgreSQL text cannot hold NUL) aborts
-    the whole transaction, and which message held it is not known: the batch is then stored again one message per
-    transaction, so that one is skipped as malformed and the others are stored."""
+    """Store many messages with the outcomes `ingest` gives each in turn, in few transactions (FleetStore.batch):
+    the telemetry, nearly all of the traffic, in one, validated before it opens and inserted with one statement,
+    its devices touched last (the rows other receivers wait for stay locked only until the commit); the other
+    messages in transactions of at most OTHERS_PER_TX, each touching its devices first, so that a burst of
+    announcements does not hold every device row for seconds. Raises DBError only (what committed before stays:
+    every write is idempotent or deduplicated, so the redelivery is harmless).
+
+    A value the database refuses (PostgreSQL text cannot hold NUL) aborts a whole transaction, and which message
+    held it is not known: those messages are then stored one per transaction, so that one is skipped as malformed
+    and the others are stored."""
     now = time.time() if now is None else now
     messages = [(topic, bytes(payload or b""), retained) for topic, payload, retained in messages]
     plans = [_plan(topic, payload, retained, now) for topic, payload, retained in messages]
-    devices: dict[str, float | None] = {}
-    for p in plans:
-        if p.device is not None:
-            devices[p.device] = max((t for t in (devices.get(p.device), p.seen) if t is not None), default=None)
-    try:
-        with store.batch(devices, now):
-            return _store_batch(store, messages, plans, now)
-    except DBError:
-        raise
-    except Exception as e:
-        log.warning("the fleet DB refused a batch of %d messages (%s: %s); storing them one at a time",
-                    len(messages), type(e).__name__, str(e)[:200])
-        return [ingest(store, topic, payload, retained, now) for topic, payload, retained in messages]
+    out: list[Outcome | None] = [None] * len(messages)
+    others = [i for i, p in enumerate(plans) if p.sample is None]
+    for k in range(0, len(others), OTHERS_PER_TX):
+        _transaction(store, _store_others, others[k:k + OTHERS_PER_TX], messages, plans, out, now)
+    telemetry = [i for i, p in enumerate(plans) if p.sample is not None]
+    if telemetry:
+        _transaction(store, _store_telemetry, telemetry, messages, plans, out, now)
+    return out  # type: ignore[return-value]  # every slot is filled
 
 
 @dataclass(frozen=True)
@@ -321,23 +322,44 @@ def _plan(topic: str, payload: bytes, retained: bool, now: float) -> _Plan:
     return _Plan(parsed.device_id, x, seen)
 
 
-def _store_batch(store: FleetStore, messages: list[Incoming], plans: list[_Plan], now: float) -> list[Outcome]:
-    out: list[Outcome | None] = []
-    samples: list[tuple[int, Sample]] = []
-    for i, ((topic, payload, retained), plan) in enumerate(zip(messages, plans)):
-        if plan.sample is not None:
-            samples.append((i, plan.sample))
-            out.append(None)
-        elif plan.error is not None:
-            out.append(_malformed(store, topic, payload, now, plan.error))
-        else:
-            try:
-                out.append(_dispatch(store, topic, payload, retained, now))
-            except ProtocolError as e:  # raised by validation, before the handler wrote anything
-                out.append(_malformed(store, topic, payload, now, e))
-    for (i, x), new in zip(samples, store.put_telemetry_many([x for _, x in samples], now)):
+def _transaction(store: FleetStore, write: Callable[..., None], idx: list[int], messages: list[Incoming],
+                 plans: list[_Plan], out: list[Outcome | None], now: float) -> None:
+    try:
+        with store.batch():
+            write(store, idx, messages, plans, out, now)
+    except DBError:
+        raise
+    except Exception as e:
+        log.warning("the fleet DB refused a batch of %d messages (%s: %s); storing them one at a time",
+                    len(idx), type(e).__name__, str(e)[:200])
+        for i in idx:
+            out[i] = ingest(store, *messages[i], now)
+
+
+def _store_others(store: FleetStore, idx: list[int], messages: list[Incoming], plans: list[_Plan],
+                  out: list[Outcome | None], now: float) -> None:
+    store.touch_devices({plans[i].device: None for i in idx if plans[i].device is not None}, now)
+    for i in idx:
+        topic, payload, retained = messages[i]
+        if plans[i].error is not None:
+            out[i] = _malformed(store, topic, payload, now, plans[i].error)
+            continue
+        try:
+            out[i] = _dispatch(store, topic, payload, retained, now)
+        except ProtocolError as e:  # raised by validation, before the handler wrote anything
+            out[i] = _malformed(store, topic, payload, now, e)
+
+
+def _store_telemetry(store: FleetStore, idx: list[int], messages: list[Incoming], plans: list[_Plan],
+                     out: list[Outcome | None], now: float) -> None:
+    samples = [plans[i].sample for i in idx]
+    for i, x, new in zip(idx, samples, store.put_telemetry_many(samples, now)):
         out[i] = Outcome("telemetry", x.device, "new" if new else "duplicate")
-    return out  # type: ignore[return-value]  # every slot is filled
+    seen: dict[str, float | None] = {}
+    for i in idx:
+        p = plans[i]
+        seen[p.device] = max((t for t in (seen.get(p.device), p.seen) if t is not None), default=None)
+    store.touch_devices(seen, now)  # last: the device rows stay locked only until the commit that follows
 
 
 def _dispatch(store: FleetStore, topic: str, payload: bytes, retained: bool, now: float) -> Outcome:

@@ -46,7 +46,7 @@ from typing import Callable
 
 from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message, backoff
 from edgetune.protocol import Topics, encode, topic_filter
-from edgetune.sqlite import DBError
+from edgetune.sqlite import DBBusy, DBError
 from fleet.ingest import SUBSCRIPTION, Outcome, ingest_batch
 from fleet.mqtt import hostname
 from fleet.store import open_fleet_store
@@ -182,7 +182,8 @@ class Listener(Handler):
             if self._retry:
                 return  # not acknowledged: the broker sends it again after the reconnect, in order
             self._queue.append(_Received(conn, msg))
-            self._queued.notify()
+            if len(self._queue) in (1, BATCH_MAX):  # the writer waits for a first message, or lingers for a batch
+                self._queued.notify()
 
     def accepting(self) -> bool:
         return len(self._queue) < QUEUE_MAX
@@ -217,15 +218,13 @@ class Listener(Handler):
 
     def _take(self) -> list[_Received]:
         """Up to BATCH_MAX queued messages: waits for the first (at most a second, for the periodic work), then at
-        most BATCH_LINGER_S for more."""
+        most BATCH_LINGER_S for more (woken early only by a full batch: a wake-up per message costs more CPU than
+        storing it)."""
         with self._queued:
             if not self._queued.wait_for(lambda: self._queue or self._stop.is_set(), 1.0):
                 return []
-            deadline = time.monotonic() + BATCH_LINGER_S
-            while len(self._queue) < BATCH_MAX and not self._stop.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._queued.wait(left):
-                    break
+            if len(self._queue) < BATCH_MAX:
+                self._queued.wait(BATCH_LINGER_S)
             full = len(self._queue) >= QUEUE_MAX
             batch = [self._queue.popleft() for _ in range(min(BATCH_MAX, len(self._queue)))]
         if full:
@@ -234,8 +233,13 @@ class Listener(Handler):
 
     def _store(self, batch: list[_Received]) -> None:
         t0 = time.monotonic()
+        messages = [(r.msg.topic, r.msg.payload, r.msg.retain) for r in batch]
         try:
-            outcomes = ingest_batch(self.store, [(r.msg.topic, r.msg.payload, r.msg.retain) for r in batch])
+            try:
+                outcomes = ingest_batch(self.store, messages)
+            except DBBusy as e:  # a deadlock the database broke, or a lock wait that timed out: once more, at once
+                log.info("retrying a batch of %d: %s", len(batch), e)
+                outcomes = ingest_batch(self.store, messages)
         except DBError as e:
             self._db_failed(e, f"storing {len(batch)} message(s)")
             return

@@ -18,8 +18,10 @@ Several receivers may write to one PostgreSQL at once (MQTT shared subscriptions
 them). That is safe without application locks: every write first upserts the device row (`_touch`), which
 row-locks it until commit, so two transactions about one device run one after the other; and every insert that
 could arrive twice carries a unique constraint and `ON CONFLICT DO NOTHING`, so a copy that races its twin is
-dropped by the database, not by an earlier read. A batch about many devices locks their rows first, all of them
-and in sorted order (`batch`), so two receivers' batches wait for each other instead of deadlocking.
+dropped by the database, not by an earlier read. A batch about many devices touches their rows all at once, in
+sorted order (`touch_devices`), so two receivers' batches wait for each other instead of deadlocking; a batch of
+telemetry only does that last, just before its commit, so the rows every sample updates stay locked for the
+least time.
 """
 
 from __future__ import annotations
@@ -128,6 +130,13 @@ TOUCH_SQL = (  # create the device row if new; last_seen moves forward only, las
     " WHEN excluded.last_seen IS NULL THEN devices.last_seen"
     " WHEN devices.last_seen IS NULL OR excluded.last_seen > devices.last_seen THEN excluded.last_seen"
     " ELSE devices.last_seen END")
+# A batch moves last_seen / last_received only by steps of at least this: 1 Hz telemetry then rewrites a device's
+# row (the hottest in the DB, holding its info and active documents) every few seconds instead of every second.
+# A dashboard that calls a device stale after minutes loses nothing by it.
+TOUCH_STEP_S = 5.0
+BATCH_TOUCH_SQL = TOUCH_SQL + (
+    f" WHERE devices.last_received < excluded.last_received - {TOUCH_STEP_S}"
+    f" OR excluded.last_seen > coalesce(devices.last_seen, 0) + {TOUCH_STEP_S}")
 TELEMETRY_FIELDS = ("boot_id", "seq", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")
 
 
@@ -173,18 +182,22 @@ class FleetStore(Store):
     # ---- transactions --------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def batch(self, devices: Mapping[str, float | None], now: float) -> Iterator[None]:
-        """One transaction for many writes: the put_* methods called inside it, in this thread, join it. It first
-        touches every device the batch is about (`devices`: each one's newest last_seen, or None), in sorted order:
-        that row-locks them until the commit in the same order in every receiver, so receivers sharing one
-        PostgreSQL wait for each other but never deadlock."""
+    def batch(self) -> Iterator[None]:
+        """One transaction for many writes: the put_* methods called inside it, in this thread, join it."""
         with self.tx() as c:
-            self._touch_many(c, sorted(devices.items()), now)
             self._batch = (threading.get_ident(), c)
             try:
                 yield
             finally:
                 self._batch = None
+
+    def touch_devices(self, devices: Mapping[str, float | None], now: float) -> None:
+        """`_touch` every device of a batch (each one's newest last_seen, or None) in steps of TOUCH_STEP_S, in
+        sorted order: that row-locks them until the commit in the same order in every receiver, so receivers
+        sharing one PostgreSQL wait for each other but never deadlock. Call it before any other write in the
+        transaction that touches a device."""
+        with self._write() as c:
+            self._touch_many(c, sorted(devices.items()), now)
 
     def _write(self) -> ContextManager[Any]:
         """The transaction a write runs in: the open batch's (same thread), else one of its own."""
@@ -200,8 +213,8 @@ class FleetStore(Store):
         c.execute(TOUCH_SQL, (device, now, seen, now))
 
     def _touch_many(self, c: Any, devices: Sequence[tuple[str, float | None]], now: float) -> None:
-        """`_touch` of each (device, seen), in this order."""
-        c.executemany(TOUCH_SQL, [(d, now, seen, now) for d, seen in devices])
+        """BATCH_TOUCH_SQL of each (device, seen), in this order."""
+        c.executemany(BATCH_TOUCH_SQL, [(d, now, seen, now) for d, seen in devices])
 
     def put_status(self, device: str, state: str, session: int | None, version: str | None, ts: float | None,
                    retained: bool, now: float, seen: float | None) -> bool:
@@ -287,8 +300,8 @@ class FleetStore(Store):
             return self._insert_telemetry(c, [Sample(device, t, payload)], now)[0]
 
     def put_telemetry_many(self, samples: Sequence[Sample], now: float) -> list[bool]:
-        """Store telemetry samples inside a `batch` that touched their devices; per sample, False when (device,
-        boot_id, seq) was already stored (a second copy in the same call included)."""
+        """Store telemetry samples (their devices are touched by the caller: `touch_devices`); per sample, False
+        when (device, boot_id, seq) was already stored (a second copy in the same call included)."""
         with self._write() as c:
             return self._insert_telemetry(c, samples, now)
 
@@ -562,15 +575,17 @@ class PgFleetStore(PgStore, FleetStore):
 
     def _touch_many(self, c: Any, devices: Sequence[tuple[str, float | None]], now: float) -> None:
         if devices:
-            c.execute(TOUCH_SQL.replace("VALUES (?,?,?,?)", "SELECT d, ?::float8, s, ?::float8 FROM"
+            c.execute(BATCH_TOUCH_SQL.replace("VALUES (?,?,?,?)", "SELECT d, ?::float8, s, ?::float8 FROM"
                                         " unnest(?::text[], ?::float8[]) WITH ORDINALITY AS u(d, s, i) ORDER BY i"),
                       (now, now, [d for d, _ in devices], [seen for _, seen in devices]), binary=True)
 
     def _insert_telemetry(self, c: Any, samples: Sequence[Sample], now: float) -> list[bool]:
         if not samples:
             return []
-        cols = [[x.device for x in samples], *([x.fields[k] for x in samples] for k in TELEMETRY_FIELDS),
-                [_dumps(x.payload) for x in samples]]
+        # in key order: two receivers inserting the same redelivered samples wait for each other, never in a cycle
+        rows = sorted(samples, key=lambda x: (x.device, x.fields["boot_id"], x.fields["seq"]))
+        cols = [[x.device for x in rows], *([x.fields[k] for x in rows] for k in TELEMETRY_FIELDS),
+                [_dumps(x.payload) for x in rows]]
         new = {tuple(r) for r in c.execute(
             "INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss,"
             " state, payload_json, received_at) SELECT u.*, ?::float8 FROM unnest(?::text[], ?::text[], ?::bigint[],"
