@@ -51,6 +51,7 @@ from tests.broker import Mosquitto, free_port  # noqa: E402
 from tests.pg import PgCluster, missing_reason  # noqa: E402
 
 PUBLISHERS = 4  # broker connections the simulated fleet publishes over
+OTHER_KINDS = ("status", "info", "active", "record")  # what the fleet announces (retained state and a record)
 KILL_WINDOW_S = 30  # samples sent this long after the SIGKILL count as the kill window
 UNIT = REPO / "systemd" / "edgetune-fleet.service"
 HW = {"arch": "x86_64", "cpu_model": "Sim CPU", "isa": "x86-64-v3", "vector_bits": 256, "cores": 4,
@@ -249,7 +250,7 @@ def burst(broker: Mosquitto, db: str, receivers: int, messages: int, work: Path,
 
 
 def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, work: Path,
-              pg: PgCluster | None) -> dict:
+              pg: PgCluster | None, down: float) -> dict:
     group = f"s{uuid.uuid4().hex[:6]}"
     recv = [Receiver(broker, db, f"sustained-{group}-{i}", group if receivers > 1 else None, work / f"s{i}.log")
             for i in range(receivers)]
@@ -262,7 +263,6 @@ def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, 
     fleet.announce()
     wait_rows(db, "records", n, timeout=600)  # start-up: the receivers run and stored the announcements
     startup_s = time.monotonic() - t_start
-    down = restart_sec()
     kill_at = restart_at = None
     t0 = time.monotonic()
     behind = 0.0
@@ -294,6 +294,8 @@ def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, 
             "redelivered_deduped": sum(s.get("messages", {}).get("telemetry:duplicate", 0) for s in stats),
             "startup_s": startup_s, "restart_after_s": down, **lag_report(rows, kill_at, restart_at),
             "receivers": [s.get("batches") for s in stats], "publisher_behind_max_s": behind,
+            "receivers_other_messages": [sum(v for k, v in s.get("messages", {}).items() if k in OTHER_KINDS)
+                                         for s in stats],
             "cpu_ms_per_1000_messages": cpu.per_1000(n * seconds + 4 * n),
             "load_before": load_before, "load_after": load()}
 
@@ -367,6 +369,8 @@ def main() -> int:
     ap.add_argument("--backend", choices=("postgresql", "sqlite"), default="postgresql",
                     help="fleet DB of the sustained run and the dashboard")
     ap.add_argument("--receivers", type=int, choices=(1, 2), default=2, help="receivers in the sustained run")
+    ap.add_argument("--restart-after", type=float, metavar="S",
+                    help="seconds the killed receiver stays down (default: the fleet unit's RestartSec)")
     args = ap.parse_args()
     if missing_reason():
         print(missing_reason(), file=sys.stderr)
@@ -390,12 +394,13 @@ def main() -> int:
                   f"{r['s']:.1f} s, split {r['split']}, messages per batch {r['batch']}); {r['load']}", flush=True)
         if not args.minutes:
             return 0
+        down = restart_sec() if args.restart_after is None else args.restart_after
         print(f"\n2. sustained: {args.devices} devices at 1 Hz for {args.minutes:g} min, {args.backend}, "
               f"{args.receivers} receiver(s) (2: sharing the subscription), one SIGKILLed half-way and restarted "
-              f"{restart_sec():g} s later (the unit's RestartSec)")
+              f"{down:g} s later" + (" (the unit's RestartSec)" if args.restart_after is None else ""))
         db = pg.create_db() if args.backend == "postgresql" else str(work / "sustained.db")
         r = sustained(broker, db, args.devices, int(args.minutes * 60), args.receivers, work,
-                      pg if args.backend == "postgresql" else None)
+                      pg if args.backend == "postgresql" else None, down)
         for k, v in r.items():
             print(f"   {k}: {v:.3f}" if isinstance(v, float) else f"   {k}: {v}", flush=True)
         print(f"\n3. dashboard pages with that fleet in the DB (fleet serve, {args.backend}; target p95 < 300 ms)")

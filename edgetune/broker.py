@@ -9,7 +9,10 @@ Each connection attempt gets a fresh paho client: paho then never replays its ow
 reconnect, so a user that keeps its own queue (the daemon's outbox) decides alone what is resent, and in which
 order.
 
-On every connect the client subscribes its filters again (a new session has none), speaks MQTT 5 first and falls
+On every connect the client subscribes its filters again (a new session has none; with `retained_on_resume=False`
+an MQTT 5 broker sends the retained messages only when the subscription is new, not to a resumed session that
+has had them: mosquitto sends them to shared subscriptions too, so a fleet receiver that reconnects would
+otherwise get every device's retained state again), speaks MQTT 5 first and falls
 back to 3.1.1 for as long as it runs when the broker refuses protocol 5. Reconnects back off exponentially with
 full jitter up to a cap, so a fleet that lost its broker does not come back in lockstep. Messages are dispatched
 to one handler by topic, never by paho's per-filter callbacks (they do not match `$share/...` filters): parse
@@ -192,13 +195,13 @@ class Client:
     def __init__(self, settings: BrokerSettings, client_id: str, handler: Handler, *,
                  subscriptions: Sequence[str] = (), session_expiry_s: int = 0,
                  will: Callable[[], Will] | None = None, manual_ack: bool = False, receive_maximum: int | None = None,
-                 name: str = "mqtt"):
+                 retained_on_resume: bool = True, name: str = "mqtt"):
         if not settings.host:
             raise BadInput("no broker host configured")
         self.settings, self.client_id, self.handler = settings, client_id, handler
         self.subscriptions = tuple(subscriptions)
         self.session_expiry_s, self._will, self._manual_ack = session_expiry_s, will, manual_ack
-        self.receive_maximum = receive_maximum
+        self.receive_maximum, self.retained_on_resume = receive_maximum, retained_on_resume
         self.protocol = settings.protocol
         self.connected = False
         self.connects = 0
@@ -473,11 +476,18 @@ class Client:
         log.info("mqtt: connected to %s (MQTT %s, session %s)", self.settings.label, self.protocol,
                  "resumed" if session else "new")
         if self.subscriptions:  # every connect: a new session has no subscriptions
-            client.subscribe([(f, QOS) for f in self.subscriptions])
+            client.subscribe([(f, self._subscribe_options()) for f in self.subscriptions])
         else:
             self._set_ready()
         self.attempted.set()
         self.handler.on_connect(self._conn, session)
+
+    def _subscribe_options(self) -> Any:
+        if self.protocol != "5" or self.retained_on_resume:
+            return QOS
+        from paho.mqtt.subscribeoptions import SubscribeOptions
+
+        return SubscribeOptions(qos=QOS, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB)
 
     def _subscribed(self, _c: paho.Client, _ud: Any, _mid: int, reasons: Any, _props: Any) -> None:
         bad = [r for r in reasons if r.is_failure]

@@ -5,7 +5,10 @@
   it subscribes `$share/<group>/edgetune/v1/+/#` instead (MQTT 5 shared subscription): the broker hands each
   message to one of the receivers in the group, which then write to one PostgreSQL (each needs its own client id).
   mosquitto keeps dealing a share to a member that is away (its persistent session queues it), so what a killed
-  receiver was sent waits for it to come back: restart it promptly.
+  receiver was sent waits for it to come back: restart it promptly. The retained messages (every device's status,
+  info, config/active) come with a new subscription only, not again on each reconnect of a resumed session (MQTT 5
+  Retain Handling 1): a receiver restarted beside a large fleet would otherwise re-store them all before its
+  backlog. A new fleet DB under an old session therefore gets no retained state: give it a new client id.
 - Two threads: the broker client's only enqueues what arrives; a writer takes what is queued (up to BATCH_MAX,
   waiting at most BATCH_LINGER_S for more, so a lone message is not held up), stores it in one transaction
   (fleet.ingest.ingest_batch), and then hands the acknowledgements back to the client's thread: the protocol acks,
@@ -84,7 +87,7 @@ class Listener(Handler):
         self.subscription = topic_filter(share=share) if share else SUBSCRIPTION
         self.client = Client(self.settings, self.client_id, self, subscriptions=(self.subscription,),
                              session_expiry_s=session_expiry_s, manual_ack=True, receive_maximum=RECEIVE_MAXIMUM,
-                             name="fleet-listener")
+                             retained_on_resume=False, name="fleet-listener")
         self.alarm: str | None = None  # the fleet DB's error while it cannot store; None when it works
         self._db_failures = 0
         self._expired_at = 0.0
