@@ -136,6 +136,11 @@ class Listener(Handler):
         self._stop.set()
 
     @property
+    def backlog(self) -> int:
+        """Messages received and waiting for the writer (unacknowledged)."""
+        return len(self._queue)
+
+    @property
     def alive(self) -> bool:
         return self.client.alive() and self._writer.is_alive()
 
@@ -189,7 +194,7 @@ class Listener(Handler):
                 self._queued.notify()
 
     def accepting(self) -> bool:
-        return len(self._queue) < QUEUE_MAX
+        return self.backlog < QUEUE_MAX
 
     def _acknowledge(self, batch: list[_Received], outcomes: list[Outcome], conn: Connection) -> None:
         """After the commit: the protocol acks, then the PUBACKs of the messages that came on this connection
@@ -208,16 +213,19 @@ class Listener(Handler):
 
     def _write_loop(self) -> None:
         while not self._stop.is_set():
-            batch = self._take()
-            if self._stop.is_set():
-                return  # what was taken stays unacknowledged: the broker sends it again
-            self._expire_due()
-            if batch:
-                try:
-                    self._store(batch)
-                except Exception:  # a bug must cost this batch (unacknowledged, so it comes again), not the writer
-                    log.exception("storing a batch of %d messages failed", len(batch))
-                    self._retry_later(f"internal error storing a batch of {len(batch)}")
+            try:
+                self._write_once()
+            except Exception:  # a bug must cost what was taken (unacknowledged, so it comes again), not the writer
+                log.exception("the fleet writer failed; getting the unacknowledged messages again")
+                self._retry_later("internal error in the writer")
+
+    def _write_once(self) -> None:
+        batch = self._take()
+        if self._stop.is_set():
+            return  # what was taken stays unacknowledged: the broker sends it again
+        self._expire_due()
+        if batch:
+            self._store(batch)
 
     def _take(self) -> list[_Received]:
         """Up to BATCH_MAX queued messages: waits for the first (at most a second, for the periodic work), then at
