@@ -188,7 +188,7 @@ def _gaps(g: dict | None) -> str:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _open_existing(args.db) as store:
-        summary = next((d for d in store.devices() if d["id"] == args.device), None)
+        summary = next(iter(store.devices(device=args.device)), None)
         if summary is None:
             raise EdgetuneError(f"no device {args.device!r} in {store.path}; see `edgetune fleet devices`")
         store.expire_commands(time.time())

@@ -137,6 +137,9 @@ TOUCH_STEP_S = 5.0
 BATCH_TOUCH_SQL = TOUCH_SQL + (
     f" WHERE devices.last_received < excluded.last_received - {TOUCH_STEP_S}"
     f" OR excluded.last_seen > coalesce(devices.last_seen, 0) + {TOUCH_STEP_S}")
+SUMMARY_FIELDS = ("id", "state", "session", "version", "last_seen", "state_changed_at", "first_seen", "cpu_model",
+                  "arch", "isa", "vector_bits", "cores", "hw_fingerprint", "fw_fingerprint", "model_version")
+SAMPLE_FIELDS = ("ts", "boot_id", "seq", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")
 TELEMETRY_FIELDS = ("boot_id", "seq", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")
 
 
@@ -362,40 +365,37 @@ class FleetStore(Store):
 
     # ---- reads ---------------------------------------------------------------------------------------------
 
-    def devices(self, now: float | None = None) -> list[dict]:
-        """One summary per device: state, last seen, hw summary, tuned workloads and their mean speedup."""
+    def devices(self, now: float | None = None, *, device: str | None = None,
+                newest_sample: bool = True) -> list[dict]:
+        """One summary per device (only `device`'s when given): state, last seen, hw summary, tuned workloads and
+        their mean speedup, and its newest telemetry sample (unless `newest_sample` is False). Every query is an
+        index lookup per device or a pass over a table with a few rows per device, never over the telemetry."""
         now = time.time() if now is None else now
+        one, args = (" WHERE device_id = ?", (device,)) if device is not None else ("", ())
         speedups: dict[str, list[float]] = {}
         tuned: dict[str, int] = {}
-        for r in self.query("SELECT device_id, speedup FROM active_configs"):
-            tuned[r["device_id"]] = tuned.get(r["device_id"], 0) + 1
-            if r["speedup"] is not None:
-                speedups.setdefault(r["device_id"], []).append(r["speedup"])
-        records = {r[0]: r[1] for r in self.query("SELECT device_id, count(*) FROM records GROUP BY device_id")}
-        # the newest sample of each device: one index lookup per device (telemetry_device), not a pass over
-        # every sample, so the overview stays fast with weeks of 1 Hz telemetry in the table
-        telemetry = {r["device_id"]: r for r in self.query(
-            "SELECT t.* FROM devices d JOIN telemetry t"
-            " ON t.id = (SELECT max(id) FROM telemetry WHERE device_id = d.id)")}
+        for name, speedup in self.query(f"SELECT device_id, speedup FROM active_configs{one}", args):
+            tuned[name] = tuned.get(name, 0) + 1
+            if speedup is not None:
+                speedups.setdefault(name, []).append(speedup)
+        records = {r[0]: r[1] for r in self.query(f"SELECT device_id, count(*) FROM records{one} GROUP BY device_id",
+                                                  args)}
+        telemetry = {}
+        if newest_sample:  # one lookup per device in telemetry_device (device_id, id)
+            telemetry = {r[0]: dict(zip(SAMPLE_FIELDS, r[1:])) for r in self.query(
+                f"SELECT t.device_id, {', '.join('t.' + k for k in SAMPLE_FIELDS)} FROM devices d JOIN telemetry t"
+                " ON t.id = (SELECT max(id) FROM telemetry WHERE device_id = d.id)"
+                + (" WHERE d.id = ?" if device is not None else ""), args)}
         out = []
-        for d in self.query("SELECT * FROM devices ORDER BY id"):
-            t = telemetry.get(d["id"])
-            out.append({
-                "id": d["id"], "state": d["state"], "online": d["state"] == "online",
-                "session": d["session"], "version": d["version"],
-                "last_seen": d["last_seen"],
-                "last_seen_ago_s": None if d["last_seen"] is None else round(max(0.0, now - d["last_seen"]), 1),
-                "state_changed_at": d["state_changed_at"], "first_seen": d["first_seen"],
-                "cpu_model": d["cpu_model"], "arch": d["arch"], "isa": d["isa"], "vector_bits": d["vector_bits"],
-                "cores": d["cores"],
-                "hw_fingerprint": d["hw_fingerprint"], "fw_fingerprint": d["fw_fingerprint"],
-                "model_version": d["model_version"],
-                "tuned_workloads": tuned.get(d["id"], 0),
-                "mean_speedup": geomean(speedups.get(d["id"], [])),
-                "records": records.get(d["id"], 0),
-                "telemetry": None if t is None else {k: t[k] for k in (
-                    "ts", "boot_id", "seq", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")},
-            })
+        for row in self.query(f"SELECT {', '.join(SUMMARY_FIELDS)} FROM devices"
+                              + (" WHERE id = ?" if device is not None else "") + " ORDER BY id", args):
+            d = dict(zip(SUMMARY_FIELDS, row))  # by position: a thousand rows read by name cost more than the query
+            seen, name = d["last_seen"], d["id"]
+            d.update(online=d["state"] == "online",
+                     last_seen_ago_s=None if seen is None else round(max(0.0, now - seen), 1),
+                     tuned_workloads=tuned.get(name, 0), mean_speedup=geomean(speedups.get(name, [])),
+                     records=records.get(name, 0), telemetry=telemetry.get(name) if newest_sample else None)
+            out.append(d)
         return out
 
     def device(self, device: str) -> dict | None:
@@ -480,20 +480,23 @@ class FleetStore(Store):
 
     # ---- reads for the dashboard and its API (fleet.web) ----------------------------------------------------
 
-    def dashboard_devices(self, now: float | None = None, stale_after_s: float = 600.0) -> list[dict]:
+    def dashboard_devices(self, now: float | None = None, stale_after_s: float = 600.0, *, device: str | None = None,
+                          newest_sample: bool = True) -> list[dict]:
         """`devices()` plus what the dashboard shows: `status`, which splits `online` into online and `stale`
         (the retained status says online but nothing was heard for `stale_after_s`), so the statuses partition
         the fleet; the geomean of tuned/ORT over the active configs that carry `ort_ms`; the tuned slots."""
         now = time.time() if now is None else now
         ort: dict[str, list[float]] = {}
         slots: dict[str, list[str]] = {}
-        for r in self.query("SELECT device_id, slot, ms, entry_json FROM active_configs ORDER BY slot"):
-            slots.setdefault(r["device_id"], []).append(r["slot"])
-            ort_ms = json.loads(r["entry_json"]).get("ort_ms")
-            if isinstance(ort_ms, (int, float)) and ort_ms > 0 and r["ms"]:
-                ort.setdefault(r["device_id"], []).append(r["ms"] / ort_ms)
+        one, args = (" WHERE device_id = ?", (device,)) if device is not None else ("", ())
+        for name, slot, ms, entry in self.query(
+                f"SELECT device_id, slot, ms, entry_json FROM active_configs{one} ORDER BY slot", args):
+            slots.setdefault(name, []).append(slot)
+            ort_ms = json.loads(entry).get("ort_ms")
+            if isinstance(ort_ms, (int, float)) and ort_ms > 0 and ms:
+                ort.setdefault(name, []).append(ms / ort_ms)
         out = []
-        for d in self.devices(now):
+        for d in self.devices(now, device=device, newest_sample=newest_sample):
             ago = d["last_seen_ago_s"]
             stale = d["state"] == "online" and (ago is None or ago > stale_after_s)
             out.append({**d, "status": "stale" if stale else d["state"], "ort_ratio": geomean(ort.get(d["id"], [])),
@@ -501,20 +504,19 @@ class FleetStore(Store):
         return out
 
     def overview(self, now: float | None = None, stale_after_s: float = 600.0) -> dict:
-        """Counts by dashboard status and the breakdowns an operator filters the device list by."""
-        devices = self.dashboard_devices(now, stale_after_s)
+        """Counts by dashboard status (as `dashboard_devices` gives them) and the breakdowns an operator filters
+        the device list by: GROUP BYs over the devices table, not a summary of every device built in Python."""
+        now = time.time() if now is None else now
         statuses = {s: 0 for s in ("online", "stale", "offline", "lost", "unknown")}
-        breakdowns: dict[str, dict[str, int]] = {k: {} for k in ("version", "model_version", "fw_fingerprint",
-                                                                 "cpu_model", "isa")}
-        for d in devices:
-            statuses[d["status"]] = statuses.get(d["status"], 0) + 1
-            for k, counts in breakdowns.items():
-                v = d[k] if d[k] is not None else ""
-                counts[v] = counts.get(v, 0) + 1
-        return {"devices": len(devices), "statuses": statuses,
-                "breakdowns": {k: sorted(({"value": v, "devices": n} for v, n in c.items()),
-                                         key=lambda x: (-x["devices"], x["value"]))
-                               for k, c in breakdowns.items()}}
+        for status, n in self.query("SELECT CASE WHEN state = 'online' AND (last_seen IS NULL OR last_seen < ?)"
+                                    " THEN 'stale' ELSE state END, count(*) FROM devices GROUP BY 1",
+                                    (now - stale_after_s,)):
+            statuses[status] = statuses.get(status, 0) + n
+        breakdowns = {k: sorted(({"value": v, "devices": n} for v, n in self.query(
+                          f"SELECT coalesce({k}, ''), count(*) FROM devices GROUP BY 1")),
+                                key=lambda x: (-x["devices"], x["value"]))
+                      for k in ("version", "model_version", "fw_fingerprint", "cpu_model", "isa")}
+        return {"devices": sum(statuses.values()), "statuses": statuses, "breakdowns": breakdowns}
 
     def telemetry_window(self, device: str, since: float, limit: int = 2000) -> list[dict]:
         """The device's newest `limit` telemetry samples received since `since`, oldest first (for plots)."""

@@ -61,7 +61,7 @@ def device_list(store: FleetStore, lim: Limits, query: Mapping[str, str]) -> dic
 
 
 def device_detail(store: FleetStore, lim: Limits, device: str) -> dict | None:
-    summary = next((d for d in store.dashboard_devices(stale_after_s=lim.stale_after_s) if d["id"] == device), None)
+    summary = next(iter(store.dashboard_devices(stale_after_s=lim.stale_after_s, device=device)), None)
     if summary is None:
         return None
     info = (store.device(device) or {}).get("info") or {}
