@@ -70,7 +70,7 @@ class Row:
 
 
 def _edgetune(spec: KernelSpec, wl: Workload, threads: int, hw: Any, runner: Any, tuned_of: Any, row: Row,
-              min_time_s: float) -> list[Any]:
+              min_time_s: float, act: str) -> list[Any]:
     pinned = pinned_spec(spec, threads)
     default, why = default_config(pinned, wl, hw)
     if default is None:
@@ -78,7 +78,8 @@ def _edgetune(spec: KernelSpec, wl: Workload, threads: int, hw: Any, runner: Any
         return []
     tuned = tuned_of(pinned, wl, threads) or Tuned(default, "the default (no tuned config)")
     row.configs, row.tuned_source = {DEFAULT: default, TUNED: tuned.config}, tuned.source
-    ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner, min_time_s=min_time_s, max_reps=15, timeout_s=30)
+    ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner, min_time_s=min_time_s, max_reps=15, timeout_s=30,
+                  act=act)
     ev.evaluate([], prebuild=[default, tuned.config])  # both built in one parallel batch, before any timing
     out = []
     for name, cfg in ((DEFAULT, default), (TUNED, tuned.config)):
@@ -140,7 +141,7 @@ def bench_row(spec: KernelSpec, wl: Workload, threads: int, ctx: "Context", bar:
     row = Row(spec.name, wl.name, spec.domain, threads)
     case = make_case(spec, wl, ctx.epilogue)
     contenders = _edgetune(spec, wl, threads, ctx.hw, ctx.runner, ctx.tuned_of, row,
-                           ctx.min_time_s)
+                           ctx.min_time_s, case.epilogue.act)
     contenders += _peers(case, threads, ctx.numpy_proc, row, ctx.min_time_s)
     for pos, j in enumerate(interleave_plan(len(contenders), ctx.rounds, seed=ctx.seed)):
         contenders[j].sample()

@@ -83,9 +83,9 @@ def shape_flags(spec: KernelSpec, shape: Shape | None) -> list[str]:
 
 
 def compile_command(spec: KernelSpec, cfg: Config, hw: Any, out: Path, cc: str, shape: Shape | None = None) -> list[str]:
-    threaded = int(cfg.get("threads", 1)) > 1
+    """-pthread for the header's thread pool (every build: a firmware build of the same source needs the same)."""
     return [
-        cc, "-O3", *target_flags(hw), "-fPIC", "-shared", *(["-fopenmp"] if threaded else []),
+        cc, "-O3", *target_flags(hw), "-fPIC", "-shared", "-pthread",
         f"-I{C_DIR}", *knob_flags(cfg), *shape_flags(spec, shape), str(spec.source), "-o", str(out), "-lm",
     ]
 

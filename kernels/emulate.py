@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import signal
 import struct
@@ -26,9 +25,10 @@ import numpy as np
 from edgetune import paths
 from edgetune.errors import EdgetuneError
 from hwprobe.target import toolchain
+from kernels.abi import abi_version
 from kernels.build import COMPILE_TIMEOUT_S, CompileError, build, target_compiler, target_flags
 from kernels.space import Config, Shape
-from kernels.spec import C_DIR, HEADER, KernelSpec
+from kernels.spec import C_DIR, KernelSpec, act_code
 from kernels.worker import compare
 
 HARNESS = C_DIR / "et_harness.c"
@@ -45,14 +45,6 @@ class Check:
     ok: bool
     reason: str = ""
     max_abs_err: float | None = None
-
-
-def abi_version() -> int:
-    """ET_ABI_VERSION as the shared header defines it: the one the harness expects every variant to report."""
-    match = re.search(r"#define ET_ABI_VERSION (\d+)", HEADER.read_text())
-    if not match:
-        raise EdgetuneError(f"{HEADER} defines no ET_ABI_VERSION")
-    return int(match.group(1))
 
 
 def emulator(hw: Any) -> list[str]:
@@ -84,22 +76,22 @@ def harness(hw: Any) -> Path:
     return out
 
 
-def _request(spec: KernelSpec, shape: Shape, bufs: list[np.ndarray], n_inputs: int) -> bytes:
-    head = struct.pack("<3i", len(spec.dims), n_inputs, len(bufs) - n_inputs)
+def _request(spec: KernelSpec, shape: Shape, bufs: list[np.ndarray], n_inputs: int, act: str) -> bytes:
+    head = struct.pack("<4i", len(spec.dims), n_inputs, len(bufs) - n_inputs, act_code(act))
     dims = struct.pack(f"<{len(spec.dims)}q", *spec.dims_vector(shape))
     sizes = struct.pack(f"<{len(bufs)}q", *(b.size for b in bufs))
     return head + dims + sizes + b"".join(b.astype("<f4").tobytes() for b in bufs)
 
 
-def run(spec: KernelSpec, shape: Shape, so: Path, hw: Any, inputs: list[np.ndarray],
+def run(spec: KernelSpec, shape: Shape, so: Path, hw: Any, inputs: list[np.ndarray], act: str = "none",
         timeout_s: float = RUN_TIMEOUT_S) -> list[np.ndarray] | str:
-    """The variant's outputs for `inputs`, computed under emulation; or why there are none."""
+    """The variant's outputs for `inputs` with fused activation `act`, computed under emulation (packed, then run,
+    as an application runs it); or why there are none."""
     outputs = [np.full(s, np.nan, dtype=np.float32) for s in spec.output_shapes(shape)]
     cmd = [*emulator(hw), str(harness(hw)), str(so)]
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")  # spinning threads would only slow the emulator down
     try:
-        proc = subprocess.run(cmd, input=_request(spec, shape, inputs + outputs, len(inputs)), capture_output=True,
-                              timeout=timeout_s, env=env)
+        proc = subprocess.run(cmd, input=_request(spec, shape, inputs + outputs, len(inputs), act),
+                              capture_output=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"hung: no result within {timeout_s:.0f}s under emulation"
     if len(proc.stdout) < 4:
@@ -116,26 +108,27 @@ def run(spec: KernelSpec, shape: Shape, so: Path, hw: Any, inputs: list[np.ndarr
     return [data[a:b].reshape(o.shape) for o, a, b in zip(outputs, offsets[:-1], offsets[1:])]
 
 
-def check(spec: KernelSpec, shape: Shape, cfg: Config, hw: Any, *, seed: int = 0) -> Check:
-    """Cross-build `cfg` for `hw`, run it under qemu-user on seeded inputs and compare with the numpy reference."""
+def check(spec: KernelSpec, shape: Shape, cfg: Config, hw: Any, *, seed: int = 0, act: str = "none") -> Check:
+    """Cross-build `cfg` for `hw`, run it under qemu-user on seeded inputs and compare with the numpy reference
+    (with fused activation `act`)."""
     try:
         so = build(spec, cfg, hw, shape=shape).path
     except CompileError as e:
         return Check(False, str(e))
     inputs = [np.ascontiguousarray(a, dtype=np.float32) for a in spec.make_inputs(shape, np.random.default_rng(seed))]
-    got = run(spec, shape, so, hw, inputs)
+    got = run(spec, shape, so, hw, inputs, act)
     if isinstance(got, str):
         return Check(False, got)
-    verdict = compare(spec, got, spec.reference(shape, inputs))
+    verdict = compare(spec, got, spec.activated(spec.reference(shape, inputs), act))
     return Check(verdict["ok"], verdict.get("reason", ""), verdict.get("max_abs_err"))
 
 
 def check_all(spec: KernelSpec, cases: list[tuple[Shape, Config]], hw: Any, *, seed: int = 0,
-              jobs: int | None = None) -> list[Check]:
+              jobs: int | None = None, act: str = "none") -> list[Check]:
     """check() of each (shape, config), in parallel: compiling and emulating are both single-threaded."""
     harness(hw)  # once, before the threads race to build it
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda case: check(spec, case[0], case[1], hw, seed=seed), cases))
+        return list(pool.map(lambda case: check(spec, case[0], case[1], hw, seed=seed, act=act), cases))
 
 
 def covering_cases(spec: KernelSpec, hw: Any) -> tuple[list[tuple[str, Config]], list[tuple[str, Any]]]:

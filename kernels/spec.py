@@ -16,6 +16,26 @@ from kernels.space import Config, Constraint, Param, SearchSpace, Shape
 C_DIR = Path(__file__).resolve().parent / "c"
 HEADER = C_DIR / "edgetune_kernel.h"
 
+# The fused activations of ABI 2, in the order of their C codes (ET_ACT_NONE 0, ET_ACT_RELU 1, ET_ACT_RELU6 2).
+ACTIVATIONS = ("none", "relu", "relu6")
+
+
+def act_code(act: str) -> int:
+    """The C code of activation `act` (et_run's `act` argument)."""
+    if act not in ACTIVATIONS:
+        raise BadInput(f"activation {act!r} is not one of: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS.index(act)
+
+
+def apply_act(y: np.ndarray, act: str) -> np.ndarray:
+    """What a kernel's fused activation does to its (bias-added) output."""
+    act_code(act)
+    if act == "relu":
+        return np.maximum(y, 0).astype(y.dtype)
+    if act == "relu6":
+        return np.clip(y, 0, 6).astype(y.dtype)
+    return y
+
 # An OpenMP fork-join costs ~10 us here, the time of ~1e5 flops: in the 792 collected cases (every kernel, three
 # ISAs) threads=2 never beat threads=1 below 2e5 flops, and lost by up to 438x on the smallest.
 MIN_FLOPS_PER_THREAD = 1e5
@@ -68,6 +88,14 @@ class KernelSpec:
     bytes_moved: Callable[[Shape], float]
     rtol: float = 1e-4
     atol: float = 1e-4
+    # the inputs' names, in ABI order (make_inputs returns them so)
+    inputs: tuple[str, ...] = ()
+    # a fused epilogue: the input after the weights is a bias vector (which `reference` adds) and et_run takes an
+    # activation (ACTIVATIONS; `reference` leaves it to apply_act); kernels without one take only "none"
+    epilogue: bool = False
+    # the inputs a real layer holds constant (weights, bias): what et_pack reads, and what
+    # kernels.load_tuned(weights=...) binds once
+    constant_inputs: tuple[int, ...] = ()
     # cross-dimension rules (e.g. samples >= n_fft); returns the problems, empty when the shape is fine
     shape_problems: Callable[[Shape], list[str]] = lambda s: []
     extra_headers: tuple[Path, ...] = field(default_factory=tuple)
@@ -115,6 +143,17 @@ class KernelSpec:
         if problems:
             raise BadInput(f"{self.name}: shape {out} is invalid: {'; '.join(problems)}")
         return out
+
+    def check_act(self, act: str) -> int:
+        """The C code of fused activation `act`, which this kernel must take (every kernel takes "none")."""
+        code = act_code(act)
+        if code and not self.epilogue:
+            raise BadInput(f"{self.name} has no fused activation; act must be 'none'")
+        return code
+
+    def activated(self, ref: list[np.ndarray], act: str) -> list[np.ndarray]:
+        """The reference outputs `ref` as the kernel returns them with fused activation `act`."""
+        return [apply_act(ref[0], act), *ref[1:]] if self.check_act(act) else ref
 
     def dims_vector(self, shape: Shape) -> list[int]:
         return [int(shape[d.name]) for d in self.dims]

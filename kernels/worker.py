@@ -1,12 +1,13 @@
-"""Measure variants in a recycled subprocess, so a segfault, hang or OpenMP runtime never reaches the caller.
+"""Measure variants in a recycled subprocess, so a segfault, hang or a variant's thread pool never reaches the caller.
 
 The parent (`Runner`) sends one JSON line per request; the worker (`python -m kernels.worker`) loads the .so
-with ctypes, checks its output against the numpy reference, then times it with the C-side bench loop.
+with ctypes, packs its constant inputs once (as a layer does at load), checks its output against the numpy
+reference with the requested activation, then times the run alone with the C-side bench loop. The variant's
+threads are its own pool (kernels/c/edgetune_kernel.h), the same one kernels.load_tuned and firmware run.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from kernels.spec import KernelSpec
 
 DEFAULT_TIMEOUT_S = 30.0
 INNER_MIN_MS = 0.05  # a rep lasts at least this long, so clock overhead stays under ~1%
-RECYCLE_AFTER = 16  # distinct libraries loaded before a fresh worker (OpenMP runtimes cannot be unloaded)
+RECYCLE_AFTER = 16  # distinct libraries loaded before a fresh worker (ctypes never unloads one, nor its pool)
 
 
 class Runner:
@@ -50,7 +51,7 @@ class Runner:
         self.close()
 
     def _start(self) -> subprocess.Popen:
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._proc = subprocess.Popen(
@@ -80,9 +81,11 @@ class Runner:
 
     def measure(
         self, spec: KernelSpec, shape: Shape, so_path: Path, *, min_time_s: float = 0.15,
-        max_reps: int = 200, seed: int = 0, timeout_s: float | None = None,
+        max_reps: int = 200, seed: int = 0, timeout_s: float | None = None, act: str = "none",
     ) -> Measurement:
-        """Check correctness, then time. A crash, hang or wrong result comes back as ok=False with a reason."""
+        """Check correctness, then time, with fused activation `act` (kernels with an epilogue; see
+        kernels.spec.ACTIVATIONS). A crash, hang or wrong result comes back as ok=False with a reason."""
+        spec.check_act(act)  # a caller's bad argument, not a failed variant
         so = str(so_path)
         if (self._proc is None or self._proc.poll() is not None
                 or (so not in self._loaded and len(self._loaded) >= self.recycle_after)):
@@ -90,7 +93,7 @@ class Runner:
             self._start()
         proc = self._proc
         req = {"kernel": spec.name, "shape": shape, "so": so, "seed": seed,
-               "min_time_s": min_time_s, "max_reps": max_reps}
+               "min_time_s": min_time_s, "max_reps": max_reps, "act": act}
         timeout = timeout_s or self.timeout_s
         try:
             proc.stdin.write(json.dumps(req) + "\n")
@@ -160,44 +163,42 @@ def compare(spec: KernelSpec, outputs: list[np.ndarray], ref: list[np.ndarray]) 
 
 
 def _serve_one(req: dict[str, Any]) -> dict[str, Any]:
+    from kernels.abi import AbiMismatch, KernelError, KernelLibrary
     from kernels.registry import get_spec
 
     spec = get_spec(req["kernel"])
-    shape = req["shape"]
+    shape, act = req["shape"], req.get("act", "none")
     inputs, ref = _case(spec, shape, req["seed"])
+    ref = spec.activated(ref, act)
     outputs = [np.full(s, np.nan, dtype=np.float32) for s in spec.output_shapes(shape)]
-    lib = ctypes.CDLL(req["so"], mode=ctypes.RTLD_LOCAL)
-    if lib.et_abi_version() != 1:
-        return {"ok": False, "reason": f"ABI version {lib.et_abi_version()} != 1"}
-    dims = (ctypes.c_int64 * len(spec.dims))(*spec.dims_vector(shape))
-    bufs_list = inputs + outputs
-    bufs = (ctypes.c_void_p * len(bufs_list))(*[a.ctypes.data for a in bufs_list])
-    rc = lib.et_run(dims, bufs)
+    try:
+        lib = KernelLibrary(req["so"], spec)
+    except AbiMismatch as e:
+        return {"ok": False, "reason": str(e)}
+    dims = lib.dims(shape)
+    bufs = lib.pointers(inputs + outputs)
+    try:
+        packed = lib.pack(dims, bufs)
+    except KernelError as e:
+        return {"ok": False, "reason": str(e)}
+    rc = lib.run(dims, bufs, packed, act)
     if rc != 0:
         return {"ok": False, "reason": f"kernel returned error code {rc}"}
     verdict = compare(spec, outputs, ref)
     if not verdict["ok"]:
         return verdict
     err = verdict["max_abs_err"]
-    wall, cpu, niv = _bench(lib, dims, bufs, warmup=1, reps=3, inner=1)
+    wall, cpu, niv = lib.bench(dims, bufs, packed, act, warmup=1, reps=3, inner=1)
     call_ms = max(min(wall), 1e-5)
     # a rep lasts at least INNER_MIN_MS, and reps * inner calls fill min_time_s without exceeding max_reps
     want_calls = req["min_time_s"] * 1e3 / call_ms
     inner = int(min(100_000, max(1, math.ceil(INNER_MIN_MS / call_ms), math.ceil(want_calls / req["max_reps"]))))
     reps = int(min(req["max_reps"], max(5, math.ceil(want_calls / inner))))
     t0 = time.monotonic()
-    wall, cpu, niv = _bench(lib, dims, bufs, warmup=1, reps=reps, inner=inner)
+    wall, cpu, niv = lib.bench(dims, bufs, packed, act, warmup=1, reps=reps, inner=inner)
     t1 = time.monotonic()
     return {"ok": True, "max_abs_err": err, "wall_ms": wall, "cpu_ms": cpu, "nivcsw": niv, "inner": inner,
             "t0": t0, "t1": t1, "calls": 1 + reps * inner}
-
-
-def _bench(lib: ctypes.CDLL, dims: Any, bufs: Any, *, warmup: int, reps: int, inner: int) -> tuple[list, list, list]:
-    wall, cpu, niv = (ctypes.c_double * reps)(), (ctypes.c_double * reps)(), (ctypes.c_int64 * reps)()
-    rc = lib.et_bench(warmup, reps, inner, dims, bufs, wall, cpu, niv)
-    if rc != 0:
-        raise RuntimeError(f"kernel returned error code {rc} while timing")
-    return list(wall), list(cpu), list(niv)
 
 
 def main() -> None:

@@ -59,6 +59,17 @@ def test_emulated_defaults_and_every_knob_value(spec: KernelSpec, isa: str):
     assert _failures(spec, cases, hw) == []
 
 
+@pytest.mark.parametrize("isa", SWEPT)
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.epilogue], ids=lambda s: s.name)
+def test_emulated_fused_activation_on_two_threads(spec: KernelSpec, isa: str):
+    """The epilogue (bias + relu6) and the thread pool, packed and run as an application runs them."""
+    hw = _target(isa)
+    w = min(spec.workloads, key=lambda w: spec.flops(w.shape))
+    cfg = dict(spec.space(w.shape, hw).valid_default(), threads=2)
+    r = check(spec, w.shape, cfg, hw, act="relu6")
+    assert r.ok, r.reason
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_emulated_defaults_at_dotprod_level(spec: KernelSpec):
     """-march=armv8.2-a+dotprod+fp16 builds too, and computes the same values."""
@@ -82,13 +93,14 @@ def _broken(tmp_path: Path, body: str) -> KernelSpec:
     """gemm's spec around a C file whose kernel does `body` instead."""
     src = tmp_path / "broken.c"
     src.write_text('#include "edgetune_kernel.h"\n'
-                   f"static int et_kernel(const int64_t *dims, float *const *bufs) {{ {body} }}\n")
+                   "static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) "
+                   f"{{ {body} }}\n")
     return dataclasses.replace(get_spec("gemm"), source=src)
 
 
 @pytest.mark.parametrize(("body", "reason"), [
-    ("float *c = bufs[2]; for (int64_t i = 0; i < dims[0] * dims[1] / 2; i++) c[i] = 0; return 0;", "non-finite"),
-    ("float *c = bufs[2]; for (int64_t i = 0; i < dims[0] * dims[1]; i++) c[i] = 1; return 0;", "max_abs_err"),
+    ("float *c = bufs[3]; for (int64_t i = 0; i < dims[0] * dims[1] / 2; i++) c[i] = 0; return 0;", "non-finite"),
+    ("float *c = bufs[3]; for (int64_t i = 0; i < dims[0] * dims[1]; i++) c[i] = 1; return 0;", "max_abs_err"),
     ("return 7;", "error code 7"),
     ("volatile float *p = 0; *p = 1; return 0;", "SIGSEGV"),
 ])

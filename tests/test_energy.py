@@ -96,8 +96,8 @@ def test_energy_objective_tune(meter_peer, hw):
         meter.stop()
     assert res.objective == "energy", res.objective_note
     assert res.energy_j and res.energy_j > 0 and res.default_energy_j
-    rows = db.measurements(res.session_id, "search")
-    assert all(r["stats"]["energy_j"] > 0 and r["stats"]["score"] == r["stats"]["energy_j"] for r in rows)
+    rows = [r for r in db.measurements(res.session_id, "search") if r["ok"]]  # a variant may fail on a loaded host
+    assert rows and all(r["stats"]["energy_j"] > 0 and r["stats"]["score"] == r["stats"]["energy_j"] for r in rows)
     assert db.active()[f"gemm/{WL.name}"]["energy_j"] == res.energy_j
     print(f"\nenergy tune gemm/{WL.name}: winner {res.config} {res.ms:.4f} ms {res.energy_j * 1e6:.2f} uJ/call "
           f"(default {res.default_ms:.4f} ms {res.default_energy_j * 1e6:.2f} uJ/call), idle {obj.idle_w:.2f} W")

@@ -138,11 +138,11 @@ def test_logmel_reference_finds_a_tone():
 def test_conv1d_reference_against_direct_sum():
     spec = get_spec("conv1d")
     shape = {"T": 9, "Cin": 3, "Cout": 4, "K": 3, "stride": 2}
-    x, w = spec.make_inputs(shape, np.random.default_rng(1))
-    (out,) = spec.reference(shape, [x, w])
+    x, w, bias = spec.make_inputs(shape, np.random.default_rng(1))
+    (out,) = spec.reference(shape, [x, w, bias])
     assert out.shape == (5, 4)
     for t in range(5):
-        want = sum(x[t * 2 + k - 1] @ w[k] for k in range(3) if 0 <= t * 2 + k - 1 < 9)
+        want = bias + sum(x[t * 2 + k - 1] @ w[k] for k in range(3) if 0 <= t * 2 + k - 1 < 9)
         np.testing.assert_allclose(out[t], want, rtol=1e-5, atol=1e-6)
 
 
@@ -181,4 +181,4 @@ def test_kernel_rejects_bad_dims_in_c(hw):
     buf = (ctypes.c_float * 4096)()
     bufs = (ctypes.c_void_p * 5)(*[ctypes.addressof(buf)] * 5)
     for dims in ((100, 256, 128, 8), (512, 300, 128, 8), (512, 256, 0, 8)):
-        assert lib.et_run((ctypes.c_int64 * 4)(*dims), bufs) != 0
+        assert lib.et_run((ctypes.c_int64 * 4)(*dims), bufs, None, 0) != 0

@@ -65,7 +65,7 @@ def test_reference_matches_naive_loops(name, shapes):
     spec = get_spec(name)
     for shape in shapes:
         x = spec.make_inputs(shape, np.random.default_rng(3))
-        want = _naive_conv(x[0], x[1], shape["stride"], depthwise=name == "dwconv_3x3")
+        want = _naive_conv(x[0], x[1], shape["stride"], depthwise=name == "dwconv_3x3") + x[2]  # the bias
         got = spec.reference(shape, x)[0]
         assert got.shape == tuple(spec.output_shapes(shape)[0]) == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

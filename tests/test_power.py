@@ -345,9 +345,9 @@ def test_rapl_counter_with_wraparound(tmp_path, meters) -> None:
         wait_for(lambda: (zone / "energy_uj").exists(), what="the counter")
         m = meters(meter_from_config({"meter": "rapl", "zone": str(zone), "poll_s": 0.02, **FAST}))
         wait_for(lambda: m.connected, what="rapl samples")
-        # 5%: the fake counter is a userspace process whose updates lag by tens of ms on a loaded machine; a
-        # missed wrap or a unit slip would be off by far more.
-        assert measure_idle(m, 1.0) == pytest.approx(watts, rel=0.05)
+        # 10%: the fake counter is a userspace process whose updates lag by up to ~100 ms on a loaded machine
+        # (6% low was seen at load 14); a missed wrap (2 J in 1 s, 27%) or a unit slip would be off by far more.
+        assert measure_idle(m, 1.0) == pytest.approx(watts, rel=0.10)
     finally:
         counter.kill()
         counter.wait()

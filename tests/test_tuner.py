@@ -275,8 +275,8 @@ class _ListStrategy:
 def test_failed_variants_recorded_and_never_chosen(hw, runner, tmp_path):
     src = tmp_path / "gemm.c"  # crashes whenever mr == 1, which is otherwise a fine config
     src.write_text("#include <signal.h>\n" + (C_DIR / "gemm.c").read_text().replace(
-        "static int et_kernel(const int64_t *dims, float *const *bufs) {",
-        "static int et_kernel(const int64_t *dims, float *const *bufs) {\n#if ET_MR == 1\nraise(SIGSEGV);\n#endif", 1))
+        "const float *packed, int act) {", "const float *packed, int act) {\n#if ET_MR == 1\nraise(SIGSEGV);\n#endif", 1))
+    assert "raise(SIGSEGV)" in src.read_text()
     spec = dataclasses.replace(GEMM, source=src)
     cfgs = [{**GEMM.default, "mr": 1}, {**GEMM.default, "mr": 1, "kc": 32}, {**GEMM.default, "mr": 2}]
     db = ResultsDB()
@@ -436,4 +436,14 @@ def test_runtime_api_load_tuned(hw, caplog, build_cache):
     np.testing.assert_allclose(k(*inputs)[0], GEMM.reference(shape, inputs)[0], rtol=1e-4, atol=1e-4)
     custom = kernels.load_tuned("gemm", shape={"M": 10, "N": 20, "K": 30})
     x = GEMM.make_inputs({"M": 10, "N": 20, "K": 30}, np.random.default_rng(2))
-    np.testing.assert_allclose(custom(*x)[0], x[0] @ x[1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(custom(*x)[0], x[0] @ x[1] + x[2], rtol=1e-4, atol=1e-4)
+    # a layer: weights packed once, then calls with the activations only, and a fused relu6
+    layer = kernels.load_tuned("gemm", "kws_dscnn.pw4", act="relu6", weights=inputs[1:])
+    for seed in (3, 4):
+        a = np.random.default_rng(seed).standard_normal(inputs[0].shape).astype(np.float32)
+        want = np.clip(GEMM.reference(shape, [a, *inputs[1:]])[0], 0, 6)
+        np.testing.assert_allclose(layer(a)[0], want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(BadInput, match="takes 1 input"):
+        layer(*inputs)
+    with pytest.raises(BadInput, match="no fused activation"):
+        kernels.load_tuned("gru", "kws_crnn.gru", act="relu")

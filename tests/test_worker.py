@@ -21,9 +21,9 @@ SHAPE = {"M": 8, "N": 16, "K": 8}
 
 def _variant(tmp_path, name: str, body: str):
     """gemm with a fault injected at the top of et_kernel, as its own C file."""
-    src = (C_DIR / "gemm.c").read_text().replace(
-        "static int et_kernel(const int64_t *dims, float *const *bufs) {",
-        "static int et_kernel(const int64_t *dims, float *const *bufs) {\n" + body, 1)
+    head = "static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {"
+    src = (C_DIR / "gemm.c").read_text().replace(head, head + "\n" + body, 1)
+    assert body in src
     path = tmp_path / f"{name}.c"
     path.write_text("#include <signal.h>\n" + src)
     return dataclasses.replace(GEMM, source=path)
@@ -47,7 +47,7 @@ def test_hanging_variant_is_killed(tmp_path, hw):
 
 
 def test_wrong_values_are_reported(tmp_path, hw):
-    spec = _variant(tmp_path, "wrong", "bufs[2][0] = 1e9f; return 0;")
+    spec = _variant(tmp_path, "wrong", "bufs[3][0] = 1e9f; return 0;")
     with Runner() as r:
         m = r.measure(spec, SHAPE, build(spec, spec.default, hw).path)
     assert not m.ok and "wrong values" in m.reason

@@ -155,6 +155,7 @@ class Measured(_Batches):
     max_reps: int = 200
     timeout_s: float | None = None
     bake: bool = True  # compile the shape's baked dims in (False: one build serves every shape, the collector)
+    act: str = "none"  # the fused activation the runs apply (kernels with an epilogue)
 
     def space(self) -> SearchSpace:
         return self.spec.space(self.shape, self.hw)
@@ -179,7 +180,7 @@ class Measured(_Batches):
         try:
             return self.objective.score(self.runner.measure(
                 self.spec, self.shape, b.path, min_time_s=max(self.min_time_s, self.objective.min_time_s),
-                max_reps=self.max_reps, timeout_s=self.timeout_s))
+                max_reps=self.max_reps, timeout_s=self.timeout_s, act=self.act))
         finally:
             self._add("measure_s", t0)
 

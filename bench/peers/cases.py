@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.space import Shape
-from kernels.spec import KernelSpec, Workload
+from kernels.spec import ACTIVATIONS, KernelSpec, Workload, apply_act
 
-ACTIVATIONS = ("none", "relu", "relu6")
 # kernels whose output is a layer's pre-activation (channels last), so a bias + activation epilogue applies
 EPILOGUE_KERNELS = ("gemm", "conv2d_3x3", "dwconv_3x3", "conv1d")
 
@@ -39,12 +38,7 @@ class Epilogue:
         return "+".join((["bias"] if self.bias else []) + ([self.act] if self.act != "none" else [])) or "none"
 
     def apply(self, y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        out = y + bias if bias is not None else y
-        if self.act == "relu":
-            out = np.maximum(out, 0)
-        elif self.act == "relu6":
-            out = np.clip(out, 0, 6)
-        return out.astype(np.float32)
+        return apply_act(y + bias if bias is not None else y, self.act).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -72,7 +66,7 @@ class PeerCase:
 
 def fuses_epilogue(spec: KernelSpec) -> bool:
     """Whether the kernel itself takes the bias (as an input) and the activation (as a runtime argument)."""
-    return bool(getattr(spec, "epilogue", False))
+    return spec.epilogue
 
 
 def make_case(spec: KernelSpec, wl: Workload, epilogue: Epilogue = Epilogue()) -> PeerCase:

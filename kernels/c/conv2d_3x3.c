@@ -1,10 +1,10 @@
-/* conv2d_3x3: regular 3x3 convolution, pad 1, stride 1 or 2, fp32, no bias.
- *   Y[oy,ox,co] = sum_{ky,kx,ci} X[oy*S-1+ky, ox*S-1+kx, ci] * Wt[ky,kx,ci,co]   (out-of-range X reads as 0)
+/* conv2d_3x3: regular 3x3 convolution, pad 1, stride 1 or 2, fp32, with a fused bias and activation.
+ *   Y[oy,ox,co] = act(bias[co] + sum_{ky,kx,ci} X[oy*S-1+ky, ox*S-1+kx, ci] * Wt[ky,kx,ci,co])  (X is 0 outside)
  * Layouts: X NHWC [H,W,Cin], Wt HWIO [3,3,Cin,Cout], Y NHWC [Ho,Wo,Cout], Ho = (H-1)/S + 1, Wo = (W-1)/S + 1.
- * dims: H, W, Cin, Cout, stride. bufs: X, Wt, Y.
+ * dims: H, W, Cin, Cout, stride. bufs: X, Wt, bias, Y.
  *
- * Each call packs the weights into zero-padded panels of CV*VEC output channels (so the channel tail runs the
- * same vector code and only its stores are partial), then computes register tiles of WT output pixels (along a
+ * et_pack packs the weights into zero-padded panels of CV*VEC output channels (so the channel tail runs the
+ * same vector code and only its stores are partial), then the bias the same way; a run computes register tiles of WT output pixels (along a
  * row) x CV vectors of output channels. Border pixels (the first/last output columns whose taps fall in the
  * padding) run one-pixel tiles with clamped taps; border rows clamp ky. The last tile of a row's interior run
  * is shifted back to end at the run's end instead of needing a remainder tile.
@@ -29,9 +29,9 @@
 #if !defined(ET_OUTER_ROWS) && !defined(ET_OUTER_PANELS)
 #define ET_OUTER_ROWS
 #endif
+#define ET_EPILOGUE
+#define ET_PACKS
 #include "edgetune_kernel.h"
-
-#include <stdlib.h>
 
 #if ET_WT < 1 || ET_WT > 8
 #error "ET_WT must be in 1..8"
@@ -39,7 +39,6 @@
 
 #define NT (ET_CV * ET_VEC) /* output channels per panel */
 #define WT_MAX 8
-#define ET_INLINE static inline __attribute__((always_inline))
 
 /* Offset of (tap t = ky*3+kx, input channel ci) in a packed panel, in units of NT floats. */
 #ifdef ET_ORDER_CI_KY_KX
@@ -48,8 +47,18 @@
 #define PIDX(t, ci, Cin) ((int64_t)(t) * (Cin) + (ci))
 #endif
 
-static void pack_weights(const float *Wt, float *Wp, int64_t Cin, int64_t Cout, int64_t npanels) {
-    const int64_t psize = 9 * Cin * NT;
+static int64_t et_kernel_packed_floats(const int64_t *dims) {
+    const int64_t npanels = (dims[3] + NT - 1) / NT;
+    return npanels * (9 * dims[2] + 1) * NT;
+}
+
+/* Weight panels [npanels][9 * Cin][NT], then the bias [npanels][NT], zero past Cout. */
+static int et_kernel_pack(const int64_t *dims, float *const *bufs, float *Wp) {
+    const int64_t Cin = dims[2], Cout = dims[3], npanels = (Cout + NT - 1) / NT, psize = 9 * Cin * NT;
+    const float *Wt = bufs[1], *bias = bufs[2];
+    float *bp = Wp + npanels * psize;
+    memset(bp, 0, sizeof(float) * npanels * NT);
+    memcpy(bp, bias, sizeof(float) * Cout);
     for (int64_t p = 0; p < npanels; p++) {
         const int64_t co0 = p * NT, n = Cout - co0 < NT ? Cout - co0 : NT;
         float *dst = Wp + p * psize;
@@ -61,18 +70,19 @@ static void pack_weights(const float *Wt, float *Wp, int64_t Cin, int64_t Cout, 
                 if (n < NT) memset(d + n, 0, sizeof(float) * (NT - n));
             }
     }
+    return 0;
 }
 
-/* One register tile: P output pixels starting at (oy, ox0), one panel. Taps ky in [ky0, ky1), kx in [kx0, kx1)
- * are the in-range ones (P == 1 whenever kx is clamped). nco < NT means a partial channel tail. */
-ET_INLINE void tile(const float *X, const float *panel, float *Y, int64_t W, int64_t Cin, int64_t Cout,
-                    int64_t iy0, int64_t ix0, int ky0, int ky1, int kx0, int kx1, const int P, const int S,
-                    int64_t nco) {
+/* One register tile: P output pixels starting at (oy, ox0), one panel and its bias. Taps ky in [ky0, ky1), kx in
+ * [kx0, kx1) are the in-range ones (P == 1 whenever kx is clamped). nco < NT means a partial channel tail. */
+ET_INLINE void tile(const float *X, const float *panel, const float *bias, float *Y, int64_t W, int64_t Cin,
+                    int64_t Cout, int64_t iy0, int64_t ix0, int ky0, int ky1, int kx0, int kx1, const int P,
+                    const int S, int64_t nco, int act) {
     et_vf acc[WT_MAX][ET_CV];
     ET_PRAGMA_UNROLL(8)
     for (int p = 0; p < P; p++)
         ET_PRAGMA_UNROLL(4)
-        for (int v = 0; v < ET_CV; v++) acc[p][v] = et_splat(0.0f);
+        for (int v = 0; v < ET_CV; v++) acc[p][v] = et_load(bias + v * ET_VEC);
     const int64_t xs = (int64_t)S * Cin; /* input floats between neighbouring output pixels */
 #ifdef ET_ORDER_CI_KY_KX
     ET_PRAGMA_UNROLL(ET_UNROLL)
@@ -121,11 +131,11 @@ ET_INLINE void tile(const float *X, const float *panel, float *Y, int64_t W, int
         ET_PRAGMA_UNROLL(8)
         for (int p = 0; p < P; p++)
             ET_PRAGMA_UNROLL(4)
-            for (int v = 0; v < ET_CV; v++) et_store(Y + p * Cout + v * ET_VEC, acc[p][v]);
+            for (int v = 0; v < ET_CV; v++) et_store(Y + p * Cout + v * ET_VEC, et_activate(acc[p][v], act));
     } else {
         for (int p = 0; p < P; p++) {
             float tmp[NT];
-            for (int v = 0; v < ET_CV; v++) et_store(tmp + v * ET_VEC, acc[p][v]);
+            for (int v = 0; v < ET_CV; v++) et_store(tmp + v * ET_VEC, et_activate(acc[p][v], act));
             memcpy(Y + p * Cout, tmp, sizeof(float) * nco);
         }
     }
@@ -135,8 +145,8 @@ ET_INLINE void tile(const float *X, const float *panel, float *Y, int64_t W, int
  * tiles with clamped taps. The interior run [lo, hi) gets WT-pixel tiles, the last one shifted left to end at
  * hi (it recomputes a few pixels rather than needing a remainder tile); a run shorter than WT gets one-pixel
  * tiles. Interior rows (all three ky in range) get a specialised copy of the WT-pixel tile. */
-ET_INLINE void row(const float *X, const float *panel, float *y, int64_t H, int64_t W, int64_t Cin,
-                   int64_t Cout, int64_t Wo, int64_t oy, int64_t nco, const int S) {
+ET_INLINE void row(const float *X, const float *panel, const float *bias, float *y, int64_t H, int64_t W,
+                   int64_t Cin, int64_t Cout, int64_t Wo, int64_t oy, int64_t nco, const int S, int act) {
     const int64_t iy0 = oy * S - 1;
     const int ky0 = iy0 < 0 ? (int)-iy0 : 0, ky1 = H - iy0 < 3 ? (int)(H - iy0) : 3;
     /* interior columns: ox*S-1 >= 0 and ox*S+1 <= W-1 */
@@ -151,54 +161,54 @@ ET_INLINE void row(const float *X, const float *panel, float *y, int64_t H, int6
             if (ky0 == 0 && ky1 == 3)
                 for (; ox < run; ox += ET_WT) {
                     const int64_t o = ox + ET_WT <= run ? ox : run - ET_WT;
-                    tile(X, panel, y + o * Cout, W, Cin, Cout, iy0, o * S - 1, 0, 3, 0, 3, ET_WT, S, nco);
+                    tile(X, panel, bias, y + o * Cout, W, Cin, Cout, iy0, o * S - 1, 0, 3, 0, 3, ET_WT, S, nco, act);
                 }
             else
                 for (; ox < run; ox += ET_WT) {
                     const int64_t o = ox + ET_WT <= run ? ox : run - ET_WT;
-                    tile(X, panel, y + o * Cout, W, Cin, Cout, iy0, o * S - 1, ky0, ky1, 0, 3, ET_WT, S, nco);
+                    tile(X, panel, bias, y + o * Cout, W, Cin, Cout, iy0, o * S - 1, ky0, ky1, 0, 3, ET_WT, S, nco, act);
                 }
             ox = run;
             if (ox >= Wo) break;
         }
         const int64_t ix0 = ox * S - 1;
         const int kx0 = ix0 < 0 ? (int)-ix0 : 0, kx1 = W - ix0 < 3 ? (int)(W - ix0) : 3;
-        tile(X, panel, y + ox * Cout, W, Cin, Cout, iy0, ix0, ky0, ky1, kx0, kx1, 1, S, nco);
+        tile(X, panel, bias, y + ox * Cout, W, Cin, Cout, iy0, ix0, ky0, ky1, kx0, kx1, 1, S, nco, act);
     }
 }
 
-ET_INLINE int conv(const int64_t *dims, float *const *bufs, const int S) {
-    const int64_t H = dims[0], W = dims[1], Cin = dims[2], Cout = dims[3];
-    const int64_t Ho = (H - 1) / S + 1, Wo = (W - 1) / S + 1;
-    const float *X = bufs[0], *Wt = bufs[1];
-    float *Y = bufs[2];
-    const int64_t npanels = (Cout + NT - 1) / NT, psize = 9 * Cin * NT;
-    float *Wp = aligned_alloc(64, ((sizeof(float) * npanels * psize + 63) / 64) * 64);
-    if (!Wp) return 3;
-    pack_weights(Wt, Wp, Cin, Cout, npanels);
-#ifdef ET_OUTER_PANELS
-    ET_PARALLEL_FOR_COLLAPSE2
-    for (int64_t p = 0; p < npanels; p++)
-        for (int64_t oy = 0; oy < Ho; oy++) {
-#else
-    ET_PARALLEL_FOR_COLLAPSE2
-    for (int64_t oy = 0; oy < Ho; oy++)
-        for (int64_t p = 0; p < npanels; p++) {
-#endif
-            const int64_t co0 = p * NT, nco = Cout - co0 < NT ? Cout - co0 : NT;
-            row(X, Wp + p * psize, Y + oy * Wo * Cout + co0, H, W, Cin, Cout, Wo, oy, nco, S);
-        }
-    free(Wp);
-    return 0;
-}
+typedef struct {
+    const float *X, *Wp;
+    float *Y;
+    int64_t H, W, Cin, Cout, Ho, Wo, npanels;
+    int act;
+} conv_args;
 
-static int et_kernel(const int64_t *dims, float *const *bufs) {
+/* Item i of (output row, channel panel), in the OUTER knob's order. */
+ET_INLINE void conv_item(const conv_args *c, int64_t i, const int S) {
+#ifdef ET_OUTER_PANELS
+    const int64_t p = i / c->Ho, oy = i % c->Ho;
+#else
+    const int64_t oy = i / c->npanels, p = i % c->npanels;
+#endif
+    const int64_t co0 = p * NT, nco = c->Cout - co0 < NT ? c->Cout - co0 : NT, psize = 9 * c->Cin * NT;
+    row(c->X, c->Wp + p * psize, c->Wp + c->npanels * psize + co0, c->Y + oy * c->Wo * c->Cout + co0, c->H, c->W,
+        c->Cin, c->Cout, c->Wo, oy, nco, S, c->act);
+}
+static void conv_item_s1(void *c, int64_t i) { conv_item(c, i, 1); }
+static void conv_item_s2(void *c, int64_t i) { conv_item(c, i, 2); }
+
+static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
     if (dims[0] < 1 || dims[1] < 1 || dims[2] < 1 || dims[3] < 1) return 1;
+    const int64_t S = dims[4];
+    if (S != 1 && S != 2) return 2;
+    conv_args c = {bufs[0], packed, bufs[3], dims[0], dims[1], dims[2], dims[3], (dims[0] - 1) / S + 1,
+                   (dims[1] - 1) / S + 1, (dims[3] + NT - 1) / NT, act};
 #if !defined(ET_SHAPE_STRIDE) || ET_SHAPE_STRIDE == 1 /* a build for one workload instantiates its stride only */
-    if (dims[4] == 1) return conv(dims, bufs, 1);
+    if (S == 1) return et_parallel_for(c.Ho * c.npanels, conv_item_s1, &c);
 #endif
 #if !defined(ET_SHAPE_STRIDE) || ET_SHAPE_STRIDE == 2
-    if (dims[4] == 2) return conv(dims, bufs, 2);
+    if (S == 2) return et_parallel_for(c.Ho * c.npanels, conv_item_s2, &c);
 #endif
     return 2; /* unsupported stride, or not the one this build was specialised to */
 }

@@ -1,7 +1,7 @@
-/* dwconv_3x3: depthwise 3x3 convolution, pad 1, stride 1 or 2, fp32, no bias.
- *   Y[oy,ox,c] = sum_{ky,kx} X[oy*S-1+ky, ox*S-1+kx, c] * Wt[ky,kx,c]   (out-of-range X reads as 0)
+/* dwconv_3x3: depthwise 3x3 convolution, pad 1, stride 1 or 2, fp32, with a fused bias and activation.
+ *   Y[oy,ox,c] = act(bias[c] + sum_{ky,kx} X[oy*S-1+ky, ox*S-1+kx, c] * Wt[ky,kx,c])   (X is 0 outside)
  * Layouts: X NHWC [H,W,C], Wt [3,3,C], Y NHWC [Ho,Wo,C], Ho = (H-1)/S + 1, Wo = (W-1)/S + 1.
- * dims: H, W, C, stride. bufs: X, Wt, Y.
+ * dims: H, W, C, stride. bufs: X, Wt, bias, Y.
  *
  * Register tiles of RT output rows x WT output pixels x CV channel vectors. Each input row a tile touches is
  * loaded once and feeds every output row of the tile it belongs to (RT > 1 reuses input rows when stride is 1).
@@ -26,6 +26,7 @@
 #if !defined(ET_ORDER_C_OUTER) && !defined(ET_ORDER_PX_OUTER)
 #define ET_ORDER_C_OUTER
 #endif
+#define ET_EPILOGUE
 #include "edgetune_kernel.h"
 
 #if ET_WT < 1 || ET_WT > 8
@@ -36,20 +37,20 @@
 #endif
 
 #define WT_MAX 8
-#define ET_INLINE static inline __attribute__((always_inline))
 
 /* ET_RT output rows from oy0 (only the first nrows are stored) x P output pixels from ox0 x ET_CV vectors from
  * channel c0. kx in [kx0, kx1) are the in-range taps (P == 1 whenever they are clamped); input rows outside
  * [0, H) are skipped. */
-ET_INLINE void tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
-                    int64_t oy0, int64_t nrows, int64_t ox0, const int P, int64_t c0, const int S, int kx0, int kx1) {
+ET_INLINE void tile(const float *X, const float *Wt, const float *bias, float *Y, int64_t H, int64_t W, int64_t C,
+                    int64_t Wo, int64_t oy0, int64_t nrows, int64_t ox0, const int P, int64_t c0, const int S, int kx0,
+                    int kx1, int act) {
     et_vf acc[ET_RT][WT_MAX][ET_CV];
     ET_PRAGMA_UNROLL(4)
     for (int r = 0; r < ET_RT; r++)
         ET_PRAGMA_UNROLL(8)
         for (int p = 0; p < P; p++)
             ET_PRAGMA_UNROLL(4)
-            for (int v = 0; v < ET_CV; v++) acc[r][p][v] = et_splat(0.0f);
+            for (int v = 0; v < ET_CV; v++) acc[r][p][v] = et_load(bias + c0 + v * ET_VEC);
     const int64_t iy0 = oy0 * S - 1, ix0 = ox0 * S - 1, xs = (int64_t)S * C;
     ET_PRAGMA_UNROLL(10)
     for (int j = 0; j < (ET_RT - 1) * S + 3; j++) { /* input rows of the tile */
@@ -88,19 +89,19 @@ ET_INLINE void tile(const float *X, const float *Wt, float *Y, int64_t H, int64_
             for (int p = 0; p < P; p++)
                 ET_PRAGMA_UNROLL(4)
                 for (int v = 0; v < ET_CV; v++)
-                    et_store(Y + ((oy0 + r) * Wo + ox0 + p) * C + c0 + v * ET_VEC, acc[r][p][v]);
+                    et_store(Y + ((oy0 + r) * Wo + ox0 + p) * C + c0 + v * ET_VEC, et_activate(acc[r][p][v], act));
 }
 
 /* Channels [c1, C), for nrows rows from oy0: scalar (the channels that fill no vector, or every channel when C
  * holds fewer than ET_CV vectors). */
-static void scalar_part(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
-                        int64_t oy0, int64_t nrows, int64_t c1, int S) {
+static void scalar_part(const float *X, const float *Wt, const float *bias, float *Y, int64_t H, int64_t W, int64_t C,
+                        int64_t Wo, int64_t oy0, int64_t nrows, int64_t c1, int S, int act) {
     for (int64_t oy = oy0; oy < oy0 + nrows; oy++) {
         const int64_t iy0 = oy * S - 1;
         for (int64_t ox = 0; ox < Wo; ox++) {
             const int64_t ix0 = ox * S - 1;
             for (int64_t c = c1; c < C; c++) {
-                float s = 0.0f;
+                float s = bias[c];
                 for (int ky = 0; ky < 3; ky++) {
                     const int64_t iy = iy0 + ky;
                     if (iy < 0 || iy >= H) continue;
@@ -110,7 +111,7 @@ static void scalar_part(const float *X, const float *Wt, float *Y, int64_t H, in
                         s += X[(iy * W + ix) * C + c] * Wt[(ky * 3 + kx) * C + c];
                     }
                 }
-                Y[(oy * Wo + ox) * C + c] = s;
+                Y[(oy * Wo + ox) * C + c] = et_activate1(s, act);
             }
         }
     }
@@ -140,10 +141,11 @@ static void scalar_part(const float *X, const float *Wt, float *Y, int64_t H, in
         for (int64_t v = 0; v < nv; v += ET_CV) DO((v + ET_CV <= nv ? v : nv - ET_CV) * ET_VEC);             \
     } while (0)
 
-ET_INLINE void row_tile(const float *X, const float *Wt, float *Y, int64_t H, int64_t W, int64_t C, int64_t Wo,
-                        int64_t oy0, int64_t nrows, int64_t lo, int64_t hi, int64_t nv, const int S) {
+ET_INLINE void row_tile(const float *X, const float *Wt, const float *bias, float *Y, int64_t H, int64_t W, int64_t C,
+                        int64_t Wo, int64_t oy0, int64_t nrows, int64_t lo, int64_t hi, int64_t nv, const int S,
+                        int act) {
 #ifdef ET_ORDER_C_OUTER
-#define PX(ox, P, kx0, kx1) tile(X, Wt, Y, H, W, C, Wo, oy0, nrows, ox, P, c0, S, kx0, kx1)
+#define PX(ox, P, kx0, kx1) tile(X, Wt, bias, Y, H, W, C, Wo, oy0, nrows, ox, P, c0, S, kx0, kx1, act)
 #define CH(c0_)                                                                                              \
     do {                                                                                                     \
         const int64_t c0 = (c0_);                                                                            \
@@ -151,7 +153,7 @@ ET_INLINE void row_tile(const float *X, const float *Wt, float *Y, int64_t H, in
     } while (0)
     CHANNEL_TILES(CH);
 #else
-#define CH(c0) tile(X, Wt, Y, H, W, C, Wo, oy0, nrows, ox_, P_, c0, S, kx0_, kx1_)
+#define CH(c0) tile(X, Wt, bias, Y, H, W, C, Wo, oy0, nrows, ox_, P_, c0, S, kx0_, kx1_, act)
 #define PX(ox, P, kx0, kx1)                                                                                  \
     do {                                                                                                     \
         const int64_t ox_ = (ox);                                                                            \
@@ -164,35 +166,42 @@ ET_INLINE void row_tile(const float *X, const float *Wt, float *Y, int64_t H, in
 #undef CH
 }
 
-ET_INLINE int dwconv(const int64_t *dims, float *const *bufs, const int S) {
-    const int64_t H = dims[0], W = dims[1], C = dims[2];
-    const int64_t Ho = (H - 1) / S + 1, Wo = (W - 1) / S + 1;
-    const float *X = bufs[0], *Wt = bufs[1];
-    float *Y = bufs[2];
-    const int64_t nv = C / ET_VEC;                      /* full channel vectors */
-    const int64_t c1 = nv >= ET_CV ? nv * ET_VEC : 0;   /* [c1, C) runs scalar */
+typedef struct {
+    const float *X, *Wt, *bias;
+    float *Y;
+    int64_t H, W, C, Ho, Wo, nv, c1, lo, hi;
+    int act;
+} dw_args;
+
+/* Row tile t: ET_RT output rows, vector channels then the scalar rest. */
+ET_INLINE void dw_item(const dw_args *a, int64_t t, const int S) {
+    const int64_t oy0 = t * ET_RT, nrows = a->Ho - oy0 < ET_RT ? a->Ho - oy0 : ET_RT;
+    if (a->c1 > 0)
+        row_tile(a->X, a->Wt, a->bias, a->Y, a->H, a->W, a->C, a->Wo, oy0, nrows, a->lo, a->hi, a->nv, S, a->act);
+    if (a->c1 < a->C) scalar_part(a->X, a->Wt, a->bias, a->Y, a->H, a->W, a->C, a->Wo, oy0, nrows, a->c1, S, a->act);
+}
+static void dw_item_s1(void *a, int64_t t) { dw_item(a, t, 1); }
+static void dw_item_s2(void *a, int64_t t) { dw_item(a, t, 2); }
+
+static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
+    (void)packed;
+    const int64_t H = dims[0], W = dims[1], C = dims[2], S = dims[3];
+    if (H < 1 || W < 1 || C < 1) return 1;
+    if (S != 1 && S != 2) return 2;
+    const int64_t Wo = (W - 1) / S + 1, nv = C / ET_VEC; /* full channel vectors */
     /* interior output columns [lo, hi): ox*S-1 >= 0 and ox*S+1 <= W-1 */
     const int64_t lo = 1;
     int64_t hi = W >= 2 ? (W - 2) / S + 1 : 0;
     if (hi > Wo) hi = Wo;
     if (hi < lo) hi = lo;
-    const int64_t ntiles = (Ho + ET_RT - 1) / ET_RT;
-    ET_PARALLEL_FOR
-    for (int64_t t = 0; t < ntiles; t++) {
-        const int64_t oy0 = t * ET_RT, nrows = Ho - oy0 < ET_RT ? Ho - oy0 : ET_RT;
-        if (c1 > 0) row_tile(X, Wt, Y, H, W, C, Wo, oy0, nrows, lo, hi, nv, S);
-        if (c1 < C) scalar_part(X, Wt, Y, H, W, C, Wo, oy0, nrows, c1, S);
-    }
-    return 0;
-}
-
-static int et_kernel(const int64_t *dims, float *const *bufs) {
-    if (dims[0] < 1 || dims[1] < 1 || dims[2] < 1) return 1;
+    dw_args a = {bufs[0], bufs[1], bufs[2], bufs[3], H, W, C, (H - 1) / S + 1, Wo, nv,
+                 nv >= ET_CV ? nv * ET_VEC : 0 /* [c1, C) runs scalar */, lo, hi, act};
+    const int64_t ntiles = (a.Ho + ET_RT - 1) / ET_RT;
 #if !defined(ET_SHAPE_STRIDE) || ET_SHAPE_STRIDE == 1 /* a build for one workload instantiates its stride only */
-    if (dims[3] == 1) return dwconv(dims, bufs, 1);
+    if (S == 1) return et_parallel_for(ntiles, dw_item_s1, &a);
 #endif
 #if !defined(ET_SHAPE_STRIDE) || ET_SHAPE_STRIDE == 2
-    if (dims[3] == 2) return dwconv(dims, bufs, 2);
+    if (S == 2) return et_parallel_for(ntiles, dw_item_s2, &a);
 #endif
     return 2; /* unsupported stride, or not the one this build was specialised to */
 }

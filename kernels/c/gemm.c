@@ -1,5 +1,5 @@
-/* gemm: C[M,N] = A[M,K] * B[K,N], row-major fp32. Pointwise (1x1) conv in NHWC and fully-connected layers.
- * dims: M, N, K. bufs: A, B, C.
+/* gemm: C[M,N] = act(A[M,K] * B[K,N] + bias[N]), row-major fp32. Pointwise (1x1) conv in NHWC and fully-connected
+ * layers. dims: M, N, K. bufs: A, B, bias, C. act: none | relu | relu6 (runtime).
  * Knobs: MR rows x NV vectors register tile, KC depth block, VEC floats per vector, UNROLL of the k loop,
  * PREFETCH rows of B ahead (0 = off), THREADS over row tiles.
  */
@@ -15,15 +15,17 @@
 #ifndef ET_UNROLL_K
 #define ET_UNROLL_K 4
 #endif
+#define ET_EPILOGUE
 #include "edgetune_kernel.h"
 
 #define NR (ET_NV * ET_VEC)
 
-/* Full MR x NR tile over k in [k0, k1). */
-static inline void tile_full(const float *A, const float *B, float *C, int64_t N, int64_t K, int64_t k0, int64_t k1) {
+/* Full MR x NR tile over k in [k0, k1): starts from the bias (k0 == 0) or C, activates after the last block. */
+ET_INLINE void tile_full(const float *A, const float *B, const float *bias, float *C, int64_t N, int64_t K,
+                         int64_t k0, int64_t k1, int act) {
     et_vf acc[ET_MR][ET_NV];
     for (int r = 0; r < ET_MR; r++)
-        for (int v = 0; v < ET_NV; v++) acc[r][v] = k0 ? et_load(C + r * N + v * ET_VEC) : et_splat(0.0f);
+        for (int v = 0; v < ET_NV; v++) acc[r][v] = k0 ? et_load(C + r * N + v * ET_VEC) : et_load(bias + v * ET_VEC);
     ET_PRAGMA_UNROLL(ET_UNROLL_K)
     for (int64_t k = k0; k < k1; k++) {
         const float *b = B + k * N;
@@ -37,41 +39,59 @@ static inline void tile_full(const float *A, const float *B, float *C, int64_t N
             for (int v = 0; v < ET_NV; v++) acc[r][v] += a * bv[v];
         }
     }
+    const int last = k1 == K;
     for (int r = 0; r < ET_MR; r++)
-        for (int v = 0; v < ET_NV; v++) et_store(C + r * N + v * ET_VEC, acc[r][v]);
+        for (int v = 0; v < ET_NV; v++)
+            et_store(C + r * N + v * ET_VEC, last ? et_activate(acc[r][v], act) : acc[r][v]);
 }
 
 /* Remainder tile: rows x cols <= MR x NR, scalar. */
-static void tile_edge(const float *A, const float *B, float *C, int64_t N, int64_t K, int64_t k0, int64_t k1,
-                      int64_t rows, int64_t cols) {
+static void tile_edge(const float *A, const float *B, const float *bias, float *C, int64_t N, int64_t K, int64_t k0,
+                      int64_t k1, int64_t rows, int64_t cols, int act) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++) {
-            float s = k0 ? C[r * N + c] : 0.0f;
+            float s = k0 ? C[r * N + c] : bias[c];
             for (int64_t k = k0; k < k1; k++) s += A[r * K + k] * B[k * N + c];
-            C[r * N + c] = s;
+            C[r * N + c] = k1 == K ? et_activate1(s, act) : s;
         }
 }
 
-static int et_kernel(const int64_t *dims, float *const *bufs) {
-    const int64_t M = dims[0], N = dims[1], K = dims[2];
-    const float *A = bufs[0], *B = bufs[1];
-    float *C = bufs[2];
-    const int64_t tiles = (M + ET_MR - 1) / ET_MR;
-    if (K == 0) {
-        memset(C, 0, sizeof(float) * M * N);
+typedef struct {
+    const float *A, *B, *bias;
+    float *C;
+    int64_t M, N, K;
+    int act;
+} gemm_args;
+
+/* One row tile: every column tile over every depth block. */
+ET_INLINE void row_tile(const gemm_args *g, int64_t t, const int act) {
+    const int64_t M = g->M, N = g->N, K = g->K, i = t * ET_MR, rows = M - i < ET_MR ? M - i : ET_MR;
+    const float *A = g->A + i * K;
+    float *C = g->C + i * N;
+    for (int64_t k0 = 0; k0 < K; k0 += ET_KC) {
+        const int64_t k1 = k0 + ET_KC < K ? k0 + ET_KC : K;
+        int64_t n = 0;
+        if (rows == ET_MR)
+            for (; n + NR <= N; n += NR) tile_full(A, g->B + n, g->bias + n, C + n, N, K, k0, k1, act);
+        for (int64_t n2 = n; n2 < N; n2 += NR)
+            tile_edge(A, g->B + n2, g->bias + n2, C + n2, N, K, k0, k1, rows, N - n2 < NR ? N - n2 : NR, act);
+    }
+}
+
+#define ROW_TILE_FN(a)                                                                                                \
+    static void row_tile_##a(void *ctx, int64_t t) { row_tile(ctx, t, a); }
+ROW_TILE_FN(0)
+ROW_TILE_FN(1)
+ROW_TILE_FN(2)
+static const et_item_fn row_tiles[3] = {row_tile_0, row_tile_1, row_tile_2};
+
+static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
+    (void)packed;
+    gemm_args g = {bufs[0], bufs[1], bufs[2], bufs[3], dims[0], dims[1], dims[2], act};
+    if (g.K == 0) {
+        for (int64_t i = 0; i < g.M; i++)
+            for (int64_t j = 0; j < g.N; j++) g.C[i * g.N + j] = et_activate1(g.bias[j], act);
         return 0;
     }
-    ET_PARALLEL_FOR
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t i = t * ET_MR, rows = M - i < ET_MR ? M - i : ET_MR;
-        for (int64_t k0 = 0; k0 < K; k0 += ET_KC) {
-            const int64_t k1 = k0 + ET_KC < K ? k0 + ET_KC : K;
-            int64_t n = 0;
-            if (rows == ET_MR)
-                for (; n + NR <= N; n += NR) tile_full(A + i * K, B + n, C + i * N + n, N, K, k0, k1);
-            for (int64_t n2 = n; n2 < N; n2 += NR)
-                tile_edge(A + i * K, B + n2, C + i * N + n2, N, K, k0, k1, rows, N - n2 < NR ? N - n2 : NR);
-        }
-    }
-    return 0;
+    return et_parallel_for((g.M + ET_MR - 1) / ET_MR, row_tiles[act], &g);
 }

@@ -25,36 +25,18 @@
 #endif
 #include <math.h>
 #include <sched.h>
-#include <stdlib.h>
 
 #include "edgetune_kernel.h"
 
-#if defined(_OPENMP) && ET_THREADS > 1
-#include <omp.h>
 #define GRU_NTH ET_THREADS
-#define GRU_TID omp_get_thread_num()
-#define GRU_PARALLEL ET_PRAGMA(omp parallel num_threads(ET_THREADS))
-#define GRU_FOR ET_PRAGMA(omp for schedule(static))
-#else
-#define GRU_NTH 1
-#define GRU_TID 0
-#define GRU_PARALLEL
-#define GRU_FOR
-#endif
 
-#if GRU_NTH > 1
-/* Sense-reversing spin barrier for the per-step sync: an OpenMP barrier under OMP_WAIT_POLICY=PASSIVE sleeps in
- * the kernel and costs tens of microseconds, more than a whole step. Spins briefly, then yields. */
 typedef struct {
     int count, sense;
 } gru_bar;
-static inline void gru_cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__) || defined(__arm__)
-    __asm__ __volatile__("yield");
-#endif
-}
+
+#if GRU_NTH > 1
+/* Sense-reversing spin barrier for the per-step sync (the pool's threads all run at once, see et_parallel): a
+ * sleeping barrier costs tens of microseconds, more than a whole step. Spins briefly, then yields. */
 static inline void gru_barrier(gru_bar *b, int *local) {
     *local ^= 1;
     if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == GRU_NTH) {
@@ -63,12 +45,14 @@ static inline void gru_barrier(gru_bar *b, int *local) {
     } else {
         for (unsigned spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != *local; spins++) {
             if (spins < 1000)
-                gru_cpu_relax();
+                et_cpu_relax();
             else
                 sched_yield();
         }
     }
 }
+#else
+static inline void gru_barrier(gru_bar *b, int *local) { (void)b, (void)local; }
 #endif
 
 typedef int32_t gru_vi __attribute__((vector_size(ET_VEC * sizeof(int32_t))));
@@ -201,7 +185,77 @@ static inline int64_t gemm_tiles(int64_t H, int64_t Hp) { (void)Hp; return (H + 
 static inline int64_t tile_end(int64_t H, int64_t Hp, int64_t u) { (void)Hp; return u + ET_UT < H ? u + ET_UT : H; }
 #endif
 
-static int et_kernel(const int64_t *dims, float *const *bufs) {
+typedef struct {
+    const float *x, *W, *R, *Wm, *Rm, *bias;
+    float *Y, *hb, *S, *G, *RT, *WT;
+    int64_t T, I, H, Hp;
+    gru_bar bar;
+} gru_args;
+
+/* Thread p's share of the layer: its hidden units at every step, with a barrier per step (and after packing and
+ * the input projections, which the threads split by blocks). */
+static void gru_thread(void *ctx, int p) {
+    gru_args *a = ctx;
+    const float *x = a->x, *bias = a->bias;
+    const int64_t T = a->T, I = a->I, H = a->H, Hp = a->Hp;
+    float *Y = a->Y, *hb = a->hb, *S = a->S, *G = a->G;
+    int sense = 0;
+    /* this thread's hidden units: whole grains (a packed tile in the cols layout, a vector in rows) */
+    const int64_t ngr = (Hp + GRU_GRAIN - 1) / GRU_GRAIN;
+    const int64_t U0 = ngr * p / GRU_NTH * GRU_GRAIN, U1e = ngr * (p + 1) / GRU_NTH * GRU_GRAIN;
+    const int64_t U1 = U1e < Hp ? U1e : Hp;
+#ifdef ET_LAYOUT_COLS
+    {
+        const int64_t nbr = (H + 15) / 16, nbw = (I + 15) / 16, nb = nbr + nbw;
+        for (int64_t b = nb * p / GRU_NTH; b < nb * (p + 1) / GRU_NTH; b++) {
+            if (b < nbr)
+                pack_block(a->R, a->RT, H, H, Hp, b * 16, b * 16 + 16 < H ? b * 16 + 16 : H);
+            else
+                pack_block(a->W, a->WT, I, H, Hp, (b - nbr) * 16, (b - nbr) * 16 + 16 < I ? (b - nbr) * 16 + 16 : I);
+        }
+        gru_barrier(&a->bar, &sense);
+    }
+#endif
+    const float *Wm = a->Wm, *Rm = a->Rm;
+#ifdef ET_ORDER_PRE
+    {
+        /* one register tile of units at a time over every step: its weights stay in L1 */
+        const int64_t nk = gemm_tiles(H, Hp);
+        for (int64_t k = nk * p / GRU_NTH; k < nk * (p + 1) / GRU_NTH; k++) {
+            const int64_t u = k * GRU_TILE_UNITS, ue = tile_end(H, Hp, u);
+            for (int64_t t = 0; t < T; t++) proj(Wm, I, H, Hp, x + t * I, u, ue, G + t * 3 * Hp);
+        }
+        gru_barrier(&a->bar, &sense);
+    }
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const float *hp = hb + (t & 1) * Hp;
+        float *hn = hb + ((t + 1) & 1) * Hp, *y = Y + t * H;
+#ifdef ET_ORDER_PRE
+        const float *g = G + t * 3 * Hp;
+#else
+        float *g = G;
+        proj(Wm, I, H, Hp, x + t * I, U0, U1, g);
+#endif
+        proj(Rm, H, H, Hp, hp, U0, U1, S);
+        for (int64_t u = U0; u < U1 && u < H; u += ET_VEC) {
+            const et_vf z = gru_sigmoid(et_load(g + u) + et_load(S + u) + et_load(bias + u));
+            const et_vf r = gru_sigmoid(et_load(g + Hp + u) + et_load(S + Hp + u) + et_load(bias + Hp + u));
+            const et_vf nn = gru_tanh(et_load(g + 2 * Hp + u) + et_load(bias + 2 * Hp + u) +
+                                      r * (et_load(S + 2 * Hp + u) + et_load(bias + 3 * Hp + u)));
+            const et_vf h = nn + z * (et_load(hp + u) - nn);
+            et_store(hn + u, h);
+            if (u + ET_VEC <= H)
+                et_store(y + u, h);
+            else
+                for (int64_t j = 0; u + j < H; j++) y[u + j] = h[j];
+        }
+        gru_barrier(&a->bar, &sense);
+    }
+}
+
+static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
+    (void)packed, (void)act;
     const int64_t T = dims[0], I = dims[1], H = dims[2];
     if (T < 1 || I < 1 || H < 1) return 1;
     const float *x = bufs[0], *W = bufs[1], *R = bufs[2], *B = bufs[3], *h0 = bufs[4];
@@ -224,79 +278,23 @@ static int et_kernel(const int64_t *dims, float *const *bufs) {
     float *scr = aligned_alloc(64, sizeof(float) * n_scr);
     if (!scr) return 2;
     memset(scr, 0, sizeof(float) * (n_scr - GRU_A16(nT))); /* panels are written whole */
-    float *bias = scr, *hb = bias + GRU_A16(4 * Hp), *S = hb + GRU_A16(2 * Hp), *G = S + GRU_A16(3 * Hp);
+    gru_args a = {.x = x, .W = W, .R = R, .Y = Y, .T = T, .I = I, .H = H, .Hp = Hp, .bar = {0, 0}};
+    float *bias = scr;
+    a.bias = bias, a.hb = bias + GRU_A16(4 * Hp), a.S = a.hb + GRU_A16(2 * Hp), a.G = a.S + GRU_A16(3 * Hp);
 #ifdef ET_LAYOUT_COLS
-    float *RT = G + GRU_A16(nG), *WT = RT + 3 * Hp * H;
-    const float *Rm = RT, *Wm = WT;
+    a.RT = a.G + GRU_A16(nG), a.WT = a.RT + 3 * Hp * H;
+    a.Rm = a.RT, a.Wm = a.WT;
 #else
-    const float *Rm = R, *Wm = W;
+    a.Rm = R, a.Wm = W;
 #endif
     for (int64_t u = 0; u < H; u++) {
         bias[u] = B[u] + B[3 * H + u];
         bias[Hp + u] = B[H + u] + B[4 * H + u];
         bias[2 * Hp + u] = B[2 * H + u];
         bias[3 * Hp + u] = B[5 * H + u];
-        hb[u] = h0[u];
+        a.hb[u] = h0[u];
     }
-
-#if GRU_NTH > 1
-    gru_bar bar = {0, 0};
-#endif
-    GRU_PARALLEL
-    {
-        const int p = GRU_TID;
-#if GRU_NTH > 1
-        int sense = 0;
-#endif
-        /* this thread's hidden units: whole grains (a packed tile in the cols layout, a vector in rows) */
-        const int64_t ngr = (Hp + GRU_GRAIN - 1) / GRU_GRAIN;
-        const int64_t U0 = ngr * p / GRU_NTH * GRU_GRAIN, U1e = ngr * (p + 1) / GRU_NTH * GRU_GRAIN;
-        const int64_t U1 = U1e < Hp ? U1e : Hp;
-#ifdef ET_LAYOUT_COLS
-        const int64_t nbr = (H + 15) / 16, nbw = (I + 15) / 16;
-        GRU_FOR
-        for (int64_t b = 0; b < nbr + nbw; b++) {
-            if (b < nbr)
-                pack_block(R, RT, H, H, Hp, b * 16, b * 16 + 16 < H ? b * 16 + 16 : H);
-            else
-                pack_block(W, WT, I, H, Hp, (b - nbr) * 16, (b - nbr) * 16 + 16 < I ? (b - nbr) * 16 + 16 : I);
-        }
-#endif
-#ifdef ET_ORDER_PRE
-        /* one register tile of units at a time over every step: its weights stay in L1 */
-        GRU_FOR
-        for (int64_t k = 0; k < gemm_tiles(H, Hp); k++) {
-            const int64_t u = k * GRU_TILE_UNITS, ue = tile_end(H, Hp, u);
-            for (int64_t t = 0; t < T; t++) proj(Wm, I, H, Hp, x + t * I, u, ue, G + t * 3 * Hp);
-        }
-#endif
-        for (int64_t t = 0; t < T; t++) {
-            const float *hp = hb + (t & 1) * Hp;
-            float *hn = hb + ((t + 1) & 1) * Hp, *y = Y + t * H;
-#ifdef ET_ORDER_PRE
-            const float *g = G + t * 3 * Hp;
-#else
-            float *g = G;
-            proj(Wm, I, H, Hp, x + t * I, U0, U1, g);
-#endif
-            proj(Rm, H, H, Hp, hp, U0, U1, S);
-            for (int64_t u = U0; u < U1 && u < H; u += ET_VEC) {
-                const et_vf z = gru_sigmoid(et_load(g + u) + et_load(S + u) + et_load(bias + u));
-                const et_vf r = gru_sigmoid(et_load(g + Hp + u) + et_load(S + Hp + u) + et_load(bias + Hp + u));
-                const et_vf nn = gru_tanh(et_load(g + 2 * Hp + u) + et_load(bias + 2 * Hp + u) +
-                                          r * (et_load(S + 2 * Hp + u) + et_load(bias + 3 * Hp + u)));
-                const et_vf h = nn + z * (et_load(hp + u) - nn);
-                et_store(hn + u, h);
-                if (u + ET_VEC <= H)
-                    et_store(y + u, h);
-                else
-                    for (int64_t j = 0; u + j < H; j++) y[u + j] = h[j];
-            }
-#if GRU_NTH > 1
-            gru_barrier(&bar, &sense);
-#endif
-        }
-    }
+    const int rc = et_parallel(gru_thread, &a);
     free(scr);
-    return 0;
+    return rc;
 }

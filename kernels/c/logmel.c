@@ -169,7 +169,111 @@ static void fft_tile(float *re, float *im, int64_t M, int64_t N, const float *tw
     }
 }
 
-static int et_kernel(const int64_t *dims, float *const *bufs) {
+typedef struct {
+    const float *audio, *win, *twr, *twi, *fb;
+    float *out, *scratch;
+    const int32_t *rev, *lo, *hi;
+    int64_t N, hop, mels, M, frames, tiles, per;
+} lm_args;
+
+/* Thread p's frame tiles, in its own scratch. */
+static void lm_thread(void *ctx, int p) {
+    const lm_args *a = ctx;
+    const float *audio = a->audio, *win = a->win, *twr = a->twr, *twi = a->twi, *fb = a->fb;
+    float *out = a->out;
+    const int32_t *rev = a->rev, *lo = a->lo, *hi = a->hi;
+    const int64_t N = a->N, hop = a->hop, mels = a->mels, M = a->M, frames = a->frames, tiles = a->tiles;
+    const int64_t per = a->per;
+    float *scratch = a->scratch;
+    float *re = scratch + p * per, *im = re + M * FT, *pw = im + M * FT;
+    const int64_t t0 = tiles * p / ET_THREADS, t1 = tiles * (p + 1) / ET_THREADS;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t f0 = t * FT, nf = frames - f0 < FT ? frames - f0 : FT;
+        /* gather: window, split even/odd samples into re/im, bit-reversed point order, frames innermost */
+#ifdef ET_GATHER_POINT
+        /* points outer, frames inner: strided reads (one hop apart), contiguous writes */
+        for (int64_t f = nf; f < FT; f++)
+            for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
+        {
+            const float *src0 = audio + f0 * hop;
+#if ET_PREFETCH > 0
+            /* the audio that the next PREFETCH frames after this tile add */
+            if (f0 + FT < frames)
+                for (int64_t o = 0; o < ET_PREFETCH * hop; o += 16)
+                    __builtin_prefetch(src0 + (FT - 1) * hop + N + o, 0, 3);
+#endif
+            for (int64_t n = 0; n < M; n++) {
+                const int64_t j = rev[n];
+                const float we = win[2 * n], wo = win[2 * n + 1];
+                float *dr = re + j * FT, *di = im + j * FT;
+                for (int64_t f = 0; f < nf; f++) {
+                    dr[f] = src0[f * hop + 2 * n] * we;
+                    di[f] = src0[f * hop + 2 * n + 1] * wo;
+                }
+            }
+        }
+#else
+        for (int64_t f = 0; f < FT; f++) {
+            if (f >= nf) {
+                for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
+                continue;
+            }
+            const float *src = audio + (f0 + f) * hop;
+#if ET_PREFETCH > 0
+            if (f0 + f + ET_PREFETCH < frames)
+                for (int64_t o = 0; o < N; o += 16) __builtin_prefetch(src + ET_PREFETCH * hop + o, 0, 3);
+#endif
+            for (int64_t n = 0; n < M; n++) {
+                const int64_t j = rev[n];
+                re[j * FT + f] = src[2 * n] * win[2 * n];
+                im[j * FT + f] = src[2 * n + 1] * win[2 * n + 1];
+            }
+        }
+#endif
+        fft_tile(re, im, M, N, twr, twi);
+        /* split the half-length complex spectrum Z into the real signal's spectrum X, then |X|^2 */
+        for (int v = 0; v < ET_FV; v++) {
+            const int64_t o = v * ET_VEC;
+            et_vf a = LD(re + o), b = LD(im + o);
+            ST(pw + o, (a + b) * (a + b));
+            ST(pw + M * FT + o, (a - b) * (a - b));
+        }
+        ET_PRAGMA_UNROLL(ET_UNROLL)
+        for (int64_t k = 1; k < M; k++) {
+            const et_vf wr = et_splat(twr[k]), wi = et_splat(twi[k]);
+            for (int v = 0; v < ET_FV; v++) {
+                const int64_t o = v * ET_VEC;
+                et_vf a = LD(re + k * FT + o), b = LD(im + k * FT + o);
+                et_vf c = LD(re + (M - k) * FT + o), d = LD(im + (M - k) * FT + o);
+                et_vf er = (a + c) * 0.5f, ei = (b - d) * 0.5f;
+                et_vf or_ = (b + d) * 0.5f, oi = (c - a) * 0.5f;
+                et_vf xr = er + wr * or_ - wi * oi, xi = ei + wr * oi + wi * or_;
+                ST(pw + k * FT + o, xr * xr + xi * xi);
+            }
+        }
+        /* filterbank + log, frames innermost; transposed store into out[frame, mel] */
+        for (int64_t m = 0; m < mels; m++) {
+            et_vf acc[ET_FV];
+            for (int v = 0; v < ET_FV; v++) acc[v] = et_splat(0.0f);
+            const int64_t k1 = hi[m];
+            ET_PRAGMA_UNROLL(ET_UNROLL)
+            for (int64_t k = lo[m]; k < k1; k++) {
+                const et_vf w = et_splat(fb[k * mels + m]);
+                for (int v = 0; v < ET_FV; v++) acc[v] += w * LD(pw + k * FT + v * ET_VEC);
+            }
+            for (int v = 0; v < ET_FV; v++) {
+                et_vf l = lm_log(acc[v] + 1e-6f);
+                for (int i = 0; i < ET_VEC; i++) {
+                    const int64_t f = v * ET_VEC + i;
+                    if (f < nf) out[(f0 + f) * mels + m] = l[i];
+                }
+            }
+        }
+    }
+}
+
+static int et_kernel(const int64_t *dims, float *const *bufs, const float *packed, int act) {
+    (void)packed, (void)act;
     const int64_t S = dims[0], N = dims[1], hop = dims[2], mels = dims[3];
     if (N < 2 || (N & (N - 1)) || S < N || hop < 1 || mels < 1) return 1;
     const float *audio = bufs[0], *win = bufs[1], *twr = bufs[2], *twi = bufs[2] + N / 2, *fb = bufs[3];
@@ -210,95 +314,9 @@ static int et_kernel(const int64_t *dims, float *const *bufs) {
     for (int64_t m = 0; m < mels; m++) lo[m] = 0, hi[m] = (int32_t)bins;
 #endif
 
-    ET_PARALLEL_FOR
-    for (int p = 0; p < ET_THREADS; p++) {
-        float *re = scratch + p * per, *im = re + M * FT, *pw = im + M * FT;
-        const int64_t t0 = tiles * p / ET_THREADS, t1 = tiles * (p + 1) / ET_THREADS;
-        for (int64_t t = t0; t < t1; t++) {
-            const int64_t f0 = t * FT, nf = frames - f0 < FT ? frames - f0 : FT;
-            /* gather: window, split even/odd samples into re/im, bit-reversed point order, frames innermost */
-#ifdef ET_GATHER_POINT
-            /* points outer, frames inner: strided reads (one hop apart), contiguous writes */
-            for (int64_t f = nf; f < FT; f++)
-                for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
-            {
-                const float *src0 = audio + f0 * hop;
-#if ET_PREFETCH > 0
-                /* the audio that the next PREFETCH frames after this tile add */
-                if (f0 + FT < frames)
-                    for (int64_t o = 0; o < ET_PREFETCH * hop; o += 16)
-                        __builtin_prefetch(src0 + (FT - 1) * hop + N + o, 0, 3);
-#endif
-                for (int64_t n = 0; n < M; n++) {
-                    const int64_t j = rev[n];
-                    const float we = win[2 * n], wo = win[2 * n + 1];
-                    float *dr = re + j * FT, *di = im + j * FT;
-                    for (int64_t f = 0; f < nf; f++) {
-                        dr[f] = src0[f * hop + 2 * n] * we;
-                        di[f] = src0[f * hop + 2 * n + 1] * wo;
-                    }
-                }
-            }
-#else
-            for (int64_t f = 0; f < FT; f++) {
-                if (f >= nf) {
-                    for (int64_t n = 0; n < M; n++) re[n * FT + f] = 0.0f, im[n * FT + f] = 0.0f;
-                    continue;
-                }
-                const float *src = audio + (f0 + f) * hop;
-#if ET_PREFETCH > 0
-                if (f0 + f + ET_PREFETCH < frames)
-                    for (int64_t o = 0; o < N; o += 16) __builtin_prefetch(src + ET_PREFETCH * hop + o, 0, 3);
-#endif
-                for (int64_t n = 0; n < M; n++) {
-                    const int64_t j = rev[n];
-                    re[j * FT + f] = src[2 * n] * win[2 * n];
-                    im[j * FT + f] = src[2 * n + 1] * win[2 * n + 1];
-                }
-            }
-#endif
-            fft_tile(re, im, M, N, twr, twi);
-            /* split the half-length complex spectrum Z into the real signal's spectrum X, then |X|^2 */
-            for (int v = 0; v < ET_FV; v++) {
-                const int64_t o = v * ET_VEC;
-                et_vf a = LD(re + o), b = LD(im + o);
-                ST(pw + o, (a + b) * (a + b));
-                ST(pw + M * FT + o, (a - b) * (a - b));
-            }
-            ET_PRAGMA_UNROLL(ET_UNROLL)
-            for (int64_t k = 1; k < M; k++) {
-                const et_vf wr = et_splat(twr[k]), wi = et_splat(twi[k]);
-                for (int v = 0; v < ET_FV; v++) {
-                    const int64_t o = v * ET_VEC;
-                    et_vf a = LD(re + k * FT + o), b = LD(im + k * FT + o);
-                    et_vf c = LD(re + (M - k) * FT + o), d = LD(im + (M - k) * FT + o);
-                    et_vf er = (a + c) * 0.5f, ei = (b - d) * 0.5f;
-                    et_vf or_ = (b + d) * 0.5f, oi = (c - a) * 0.5f;
-                    et_vf xr = er + wr * or_ - wi * oi, xi = ei + wr * oi + wi * or_;
-                    ST(pw + k * FT + o, xr * xr + xi * xi);
-                }
-            }
-            /* filterbank + log, frames innermost; transposed store into out[frame, mel] */
-            for (int64_t m = 0; m < mels; m++) {
-                et_vf acc[ET_FV];
-                for (int v = 0; v < ET_FV; v++) acc[v] = et_splat(0.0f);
-                const int64_t k1 = hi[m];
-                ET_PRAGMA_UNROLL(ET_UNROLL)
-                for (int64_t k = lo[m]; k < k1; k++) {
-                    const et_vf w = et_splat(fb[k * mels + m]);
-                    for (int v = 0; v < ET_FV; v++) acc[v] += w * LD(pw + k * FT + v * ET_VEC);
-                }
-                for (int v = 0; v < ET_FV; v++) {
-                    et_vf l = lm_log(acc[v] + 1e-6f);
-                    for (int i = 0; i < ET_VEC; i++) {
-                        const int64_t f = v * ET_VEC + i;
-                        if (f < nf) out[(f0 + f) * mels + m] = l[i];
-                    }
-                }
-            }
-        }
-    }
+    const lm_args a = {audio, win, twr, twi, fb, out, scratch, rev, lo, hi, N, hop, mels, M, frames, tiles, per};
+    const int rc = et_parallel(lm_thread, (void *)&a);
     free(rev);
     free(scratch);
-    return 0;
+    return rc;
 }

@@ -11,7 +11,7 @@ import numpy as np
 from kernels.space import Config, Constraint, enum, pow2
 
 VEC = pow2("vec", 4, 16, help="floats per vector register (GCC vector extensions)")
-THREADS = enum("threads", 1, 2, 4, help="OpenMP threads")
+THREADS = enum("threads", 1, 2, 4, help="threads of the kernel's pool (1: no pool)")
 PREFETCH = enum("prefetch", 0, 2, 8, help="software prefetch distance (kernel-specific unit), 0 = off")
 
 VEC_FITS_ISA = Constraint(
@@ -53,6 +53,11 @@ def const(name: str, value: np.ndarray) -> Any:
 
 def rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def bias(rng: np.random.Generator, n: int) -> np.ndarray:
+    """A bias vector of n channels, large enough that relu and relu6 both clip part of the output."""
+    return rand(rng, n, scale=0.5)
 
 
 def out_size(n: int, stride: int) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand,
+from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, onnx_model, rand,
                                   registers_fit)
 from kernels.specs.common import logu, round_to
 
@@ -20,7 +20,7 @@ def out_steps(s: dict) -> int:
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
     return [rand(rng, s["T"], s["Cin"]),
-            rand(rng, s["K"], s["Cin"], s["Cout"], scale=1 / np.sqrt(s["K"] * s["Cin"]))]
+            rand(rng, s["K"], s["Cin"], s["Cout"], scale=1 / np.sqrt(s["K"] * s["Cin"])), bias(rng, s["Cout"])]
 
 
 def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
@@ -28,14 +28,15 @@ def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
     xp = np.zeros((T + 2 * pad + stride, s["Cin"]))
     xp[pad:pad + T] = x[0]
     w = x[1].astype(np.float64)
-    out = np.zeros((to, s["Cout"]))
+    out = np.zeros((to, s["Cout"])) + x[2]
     for k in range(K):
         out += xp[k:k + stride * to:stride] @ w[k]
     return [out.astype(np.float32)]
 
 
 def _twin(s: dict) -> bytes:
-    """Transpose x to [1, Cin, T] and w to [Cout, Cin, K], a 1-D Conv with pads K/2, then back to [To, Cout]."""
+    """Transpose x to [1, Cin, T] and w to [Cout, Cin, K], a 1-D Conv (with the bias) with pads K/2, then back to
+    [To, Cout]."""
     from onnx import TensorProto, helper
 
     T, cin, cout, K, pad, to = s["T"], s["Cin"], s["Cout"], s["K"], s["K"] // 2, out_steps(s)
@@ -43,13 +44,14 @@ def _twin(s: dict) -> bytes:
         helper.make_node("Unsqueeze", ["x", "axis0"], ["x3"]),
         helper.make_node("Transpose", ["x3"], ["xn"], perm=[0, 2, 1]),
         helper.make_node("Transpose", ["w"], ["wn"], perm=[2, 1, 0]),
-        helper.make_node("Conv", ["xn", "wn"], ["yn"], kernel_shape=[K], strides=[s["stride"]],
+        helper.make_node("Conv", ["xn", "wn", "bias"], ["yn"], kernel_shape=[K], strides=[s["stride"]],
                          pads=[pad, pad]),
         helper.make_node("Squeeze", ["yn", "axis0"], ["y2"]),
         helper.make_node("Transpose", ["y2"], ["out"], perm=[1, 0]),
     ]
     inits = [helper.make_tensor("axis0", TensorProto.INT64, [1], [0])]
-    return onnx_model(nodes, [("x", (T, cin)), ("w", (K, cin, cout))], [("out", (to, cout))], inits)
+    return onnx_model(nodes, [("x", (T, cin)), ("w", (K, cin, cout)), ("bias", (cout,))], [("out", (to, cout))],
+                      inits)
 
 
 def _shape_problems(s: dict) -> list[str]:
@@ -67,7 +69,8 @@ def _synthetic(rng: random.Random) -> dict:
 SPEC = KernelSpec(
     name="conv1d",
     domain="speech",
-    summary="temporal conv out[To,Cout] = sum_k x[t*stride+k-K/2, Cin] w[k,Cin,Cout], time-major channels-last",
+    summary="temporal conv out[To,Cout] = act(sum_k x[t*stride+k-K/2, Cin] w[k,Cin,Cout] + bias), time-major "
+            "channels-last",
     source=C_DIR / "conv1d.c",
     dims=(
         Dim("T", "input time steps (frames)"),
@@ -113,6 +116,9 @@ SPEC = KernelSpec(
     bytes_moved=lambda s: 4.0 * (s["T"] * s["Cin"] + s["K"] * s["Cin"] * s["Cout"] + out_steps(s) * s["Cout"]),
     rtol=1e-4,
     atol=1e-4,
+    epilogue=True,
+    inputs=("x", "w", "bias"),
+    constant_inputs=(1, 2),
     shape_problems=_shape_problems,
     synthetic=_synthetic,
 )

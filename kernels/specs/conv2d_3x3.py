@@ -8,13 +8,14 @@ import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, const, onnx_model,
+from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, const, onnx_model,
                                   out_size, rand, registers_fit)
 from kernels.specs.common import logu, round_to
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
-    return [rand(rng, s["H"], s["W"], s["Cin"]), rand(rng, 3, 3, s["Cin"], s["Cout"], scale=1 / np.sqrt(9 * s["Cin"]))]
+    return [rand(rng, s["H"], s["W"], s["Cin"]), rand(rng, 3, 3, s["Cin"], s["Cout"], scale=1 / np.sqrt(9 * s["Cin"])),
+            bias(rng, s["Cout"])]
 
 
 def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
@@ -22,7 +23,7 @@ def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
     Ho, Wo = out_size(H, S), out_size(W, S)
     xp = np.pad(x[0].astype(np.float64), ((1, 1), (1, 1), (0, 0)))
     w = x[1].astype(np.float64)
-    y = np.zeros((Ho, Wo, s["Cout"]), np.float64)
+    y = np.zeros((Ho, Wo, s["Cout"]), np.float64) + x[2]
     for ky in range(3):
         for kx in range(3):
             patch = xp[ky:ky + S * (Ho - 1) + 1:S, kx:kx + S * (Wo - 1) + 1:S, :]
@@ -31,7 +32,8 @@ def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _twin(s: dict) -> bytes:
-    """ONNX Conv on NCHW/OIHW, wrapped in Transposes so the graph reads NHWC X and HWIO Wt and writes NHWC Y."""
+    """ONNX Conv (with its bias input) on NCHW/OIHW, wrapped in Transposes so the graph reads NHWC X and HWIO Wt
+    and writes NHWC Y."""
     from onnx import helper
 
     S = s["stride"]
@@ -40,11 +42,13 @@ def _twin(s: dict) -> bytes:
         helper.make_node("Unsqueeze", ["X", "axes0"], ["X4"]),  # [1,H,W,Cin]
         helper.make_node("Transpose", ["X4"], ["Xn"], perm=[0, 3, 1, 2]),  # [1,Cin,H,W]
         helper.make_node("Transpose", ["Wt"], ["Woihw"], perm=[3, 2, 0, 1]),  # HWIO -> OIHW
-        helper.make_node("Conv", ["Xn", "Woihw"], ["Yn"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[S, S]),
+        helper.make_node("Conv", ["Xn", "Woihw", "bias"], ["Yn"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         strides=[S, S]),
         helper.make_node("Transpose", ["Yn"], ["Y4"], perm=[0, 2, 3, 1]),  # [1,Ho,Wo,Cout]
         helper.make_node("Squeeze", ["Y4", "axes0"], ["Y"]),
     ]
-    return onnx_model(nodes, [("X", (s["H"], s["W"], s["Cin"])), ("Wt", (3, 3, s["Cin"], s["Cout"]))],
+    return onnx_model(nodes, [("X", (s["H"], s["W"], s["Cin"])), ("Wt", (3, 3, s["Cin"], s["Cout"])),
+                              ("bias", (s["Cout"],))],
                       [("Y", (Ho, Wo, s["Cout"]))], initializers=[const("axes0", np.array([0], np.int64))])
 
 
@@ -69,7 +73,8 @@ SPEC = KernelSpec(
     baked_dims=("stride",),
     name="conv2d_3x3",
     domain="vision",
-    summary="3x3 convolution, pad 1, stride 1|2: NHWC input [H,W,Cin] * HWIO weights [3,3,Cin,Cout] -> [Ho,Wo,Cout]",
+    summary="3x3 convolution, pad 1, stride 1|2: act(NHWC input [H,W,Cin] * HWIO weights [3,3,Cin,Cout] + bias) -> "
+            "[Ho,Wo,Cout]",
     source=C_DIR / "conv2d_3x3.c",
     dims=(Dim("H", "input height"), Dim("W", "input width"), Dim("Cin", "input channels"),
           Dim("Cout", "output channels"), Dim("stride", "spatial stride (pad is 1)", choices=(1, 2))),
@@ -115,5 +120,8 @@ SPEC = KernelSpec(
     bytes_moved=_bytes,
     rtol=1e-4,
     atol=1e-4,
+    epilogue=True,
+    inputs=("X", "Wt", "bias"),
+    constant_inputs=(1, 2),
     synthetic=_synthetic,
 )

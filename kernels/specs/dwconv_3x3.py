@@ -8,13 +8,13 @@ import numpy as np
 
 from kernels.space import Constraint, enum
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, const, onnx_model,
+from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, const, onnx_model,
                                   out_size, rand, registers_fit)
 from kernels.specs.common import logu, round_to
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
-    return [rand(rng, s["H"], s["W"], s["C"]), rand(rng, 3, 3, s["C"], scale=1 / 3)]
+    return [rand(rng, s["H"], s["W"], s["C"]), rand(rng, 3, 3, s["C"], scale=1 / 3), bias(rng, s["C"])]
 
 
 def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
@@ -22,7 +22,7 @@ def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
     Ho, Wo = out_size(s["H"], S), out_size(s["W"], S)
     xp = np.pad(x[0].astype(np.float64), ((1, 1), (1, 1), (0, 0)))
     w = x[1].astype(np.float64)
-    y = np.zeros((Ho, Wo, s["C"]), np.float64)
+    y = np.zeros((Ho, Wo, s["C"]), np.float64) + x[2]
     for ky in range(3):
         for kx in range(3):
             y += xp[ky:ky + S * (Ho - 1) + 1:S, kx:kx + S * (Wo - 1) + 1:S, :] * w[ky, kx]
@@ -30,7 +30,8 @@ def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _twin(s: dict) -> bytes:
-    """Grouped ONNX Conv (group = C) on NCHW, wrapped so the graph reads NHWC X and [3,3,C] Wt, writes NHWC Y."""
+    """Grouped ONNX Conv (group = C, with the bias) on NCHW, wrapped so the graph reads NHWC X and [3,3,C] Wt, writes
+    NHWC Y."""
     from onnx import helper
 
     S, C = s["stride"], s["C"]
@@ -40,12 +41,12 @@ def _twin(s: dict) -> bytes:
         helper.make_node("Transpose", ["X4"], ["Xn"], perm=[0, 3, 1, 2]),  # [1,C,H,W]
         helper.make_node("Transpose", ["Wt"], ["Wc"], perm=[2, 0, 1]),  # [C,3,3]
         helper.make_node("Reshape", ["Wc", "wshape"], ["Wg"]),  # [C,1,3,3]
-        helper.make_node("Conv", ["Xn", "Wg"], ["Yn"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[S, S],
+        helper.make_node("Conv", ["Xn", "Wg", "bias"], ["Yn"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[S, S],
                          group=C),
         helper.make_node("Transpose", ["Yn"], ["Y4"], perm=[0, 2, 3, 1]),  # [1,Ho,Wo,C]
         helper.make_node("Squeeze", ["Y4", "axes0"], ["Y"]),
     ]
-    return onnx_model(nodes, [("X", (s["H"], s["W"], C)), ("Wt", (3, 3, C))], [("Y", (Ho, Wo, C))],
+    return onnx_model(nodes, [("X", (s["H"], s["W"], C)), ("Wt", (3, 3, C)), ("bias", (C,))], [("Y", (Ho, Wo, C))],
                       initializers=[const("axes0", np.array([0], np.int64)),
                                     const("wshape", np.array([C, 1, 3, 3], np.int64))])
 
@@ -70,7 +71,8 @@ SPEC = KernelSpec(
     baked_dims=("stride",),
     name="dwconv_3x3",
     domain="vision",
-    summary="depthwise 3x3 convolution, pad 1, stride 1|2: NHWC input [H,W,C] * weights [3,3,C] -> [Ho,Wo,C]",
+    summary="depthwise 3x3 convolution, pad 1, stride 1|2: act(NHWC input [H,W,C] * weights [3,3,C] + bias) -> "
+            "[Ho,Wo,C]",
     source=C_DIR / "dwconv_3x3.c",
     dims=(Dim("H", "input height"), Dim("W", "input width"), Dim("C", "channels"),
           Dim("stride", "spatial stride (pad is 1)", choices=(1, 2))),
@@ -115,5 +117,8 @@ SPEC = KernelSpec(
     bytes_moved=_bytes,
     rtol=1e-4,
     atol=1e-4,
+    epilogue=True,
+    inputs=("X", "Wt", "bias"),
+    constant_inputs=(1, 2),
     synthetic=_synthetic,
 )

@@ -1,4 +1,4 @@
-"""gemm: pointwise (1x1) convolution in NHWC and fully-connected layers, as C[M,N] = A[M,K] B[K,N]."""
+"""gemm: pointwise (1x1) convolution in NHWC and fully-connected layers, as C[M,N] = act(A[M,K] B[K,N] + bias)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,25 @@ import numpy as np
 
 from kernels.space import Constraint, enum, pow2
 from kernels.spec import C_DIR, Dim, KernelSpec, Workload
-from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, onnx_model, rand,
+from kernels.specs.common import (PREFETCH, THREADS, THREADS_FIT_CORES, VEC, VEC_FITS_ISA, bias, onnx_model, rand,
                                   registers_fit)
 from kernels.specs.common import logu, round_to
 
 
 def _inputs(s: dict, rng: np.random.Generator) -> list[np.ndarray]:
-    return [rand(rng, s["M"], s["K"]), rand(rng, s["K"], s["N"], scale=1 / np.sqrt(s["K"]))]
+    return [rand(rng, s["M"], s["K"]), rand(rng, s["K"], s["N"], scale=1 / np.sqrt(s["K"])), bias(rng, s["N"])]
 
 
 def _reference(s: dict, x: list[np.ndarray]) -> list[np.ndarray]:
-    return [(x[0].astype(np.float64) @ x[1].astype(np.float64)).astype(np.float32)]
+    return [(x[0].astype(np.float64) @ x[1].astype(np.float64) + x[2]).astype(np.float32)]
 
 
 def _twin(s: dict) -> bytes:
     from onnx import helper
 
-    return onnx_model([helper.make_node("MatMul", ["A", "B"], ["C"])],
-                      [("A", (s["M"], s["K"])), ("B", (s["K"], s["N"]))], [("C", (s["M"], s["N"]))])
+    return onnx_model([helper.make_node("Gemm", ["A", "B", "bias"], ["C"])],
+                      [("A", (s["M"], s["K"])), ("B", (s["K"], s["N"])), ("bias", (s["N"],))],
+                      [("C", (s["M"], s["N"]))])
 
 
 def _synthetic(rng: random.Random) -> dict:
@@ -37,7 +38,7 @@ def _synthetic(rng: random.Random) -> dict:
 SPEC = KernelSpec(
     name="gemm",
     domain="vision",
-    summary="C[M,N] = A[M,K] B[K,N]: pointwise conv (M = H*W pixels) and FC layers",
+    summary="C[M,N] = act(A[M,K] B[K,N] + bias[N]): pointwise conv (M = H*W pixels) and FC layers",
     source=C_DIR / "gemm.c",
     dims=(Dim("M", "rows (output pixels H*W, or batch)"), Dim("N", "output channels / features"),
           Dim("K", "input channels / features")),
@@ -73,5 +74,8 @@ SPEC = KernelSpec(
     bytes_moved=lambda s: 4.0 * (s["M"] * s["K"] + s["K"] * s["N"] + s["M"] * s["N"]),
     rtol=1e-4,
     atol=1e-4,
+    epilogue=True,
+    inputs=("A", "B", "bias"),
+    constant_inputs=(1, 2),
     synthetic=_synthetic,
 )

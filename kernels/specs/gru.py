@@ -116,5 +116,7 @@ SPEC = KernelSpec(
     bytes_moved=lambda s: 4.0 * (s["T"] * s["I"] + 3 * s["H"] * (s["I"] + s["H"]) + 7 * s["H"] + s["T"] * s["H"]),
     rtol=1e-4,
     atol=1e-4,
+    inputs=("x", "W", "R", "B", "h0"),
+    constant_inputs=(1, 2, 3),
     synthetic=_synthetic,
 )

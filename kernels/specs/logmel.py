@@ -180,5 +180,7 @@ SPEC = KernelSpec(
     rtol=1e-3,
     atol=1e-3,
     shape_problems=_shape_problems,
+    inputs=("audio", "window", "twiddles", "filterbank"),
+    constant_inputs=(1, 2, 3),
     synthetic=_synthetic,
 )
