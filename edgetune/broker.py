@@ -19,9 +19,10 @@ to one handler by topic, never by paho's per-filter callbacks (they do not match
 the topic with `edgetune.protocol.parse_topic`.
 
 Flow control for a receiver that acknowledges by hand (after storing): `receive_maximum` tells an MQTT 5 broker how
-many QoS 1 messages it may have unacknowledged with us (mosquitto otherwise uses its max_inflight_messages, 20 by
-default, which caps a receiver that acks after a commit at one 20-message batch per round trip), and a handler
-whose queue is full says so with `accepting()`: the client then stops reading the socket until it is woken.
+many QoS 1 messages it may have unacknowledged with us (a broker otherwise applies its own limit, mosquitto's
+max_inflight_messages, 20 by default: a receiver that acks after a commit would store 20-message batches, one per
+round trip), and a handler whose queue is full says so with `accepting()`: the client then stops reading the
+socket until it is woken.
 
 paho is imported only when a client runs, so CLI verbs that merely register their flags pay nothing for it.
 """

@@ -15,9 +15,10 @@
   then a manual PUBACK of exactly those messages, on the connection they came on. Nothing is acknowledged before
   its transaction committed.
 - Flow control: the listener asks the broker (MQTT 5 Receive Maximum) for at most RECEIVE_MAXIMUM unacknowledged
-  messages, which is what a batch can grow to while the previous one commits (mosquitto's default for a client
-  that does not ask is 20: one 20-message transaction per round trip). The queue holds at most QUEUE_MAX; when it
-  is full (a broker that ignores the limit, MQTT 3.1.1) the client stops reading until the writer catches up.
+  messages, which is what a batch can grow to while the previous one commits (a client that does not ask gets the
+  broker's own limit: mosquitto's max_inflight_messages, 20 by default, which mosquitto 2.0.11 keeps strictly
+  only until acknowledgements flow). The queue holds at most QUEUE_MAX; when it is full (a broker that ignores
+  the limit, MQTT 3.1.1) the client stops reading until the writer catches up.
 - When the DB cannot be written (disk full, locked, unreachable, damaged pages: any DBError, which is never a
   payload's fault), it stops acknowledging, raises the alarm (`alarm` holds the error, `counts["retry"]` counts
   the failures, the log says it once per outage), drops what is queued, reconnects after a backoff of at most
