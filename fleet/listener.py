@@ -10,10 +10,10 @@
   Retain Handling 1): a receiver restarted beside a large fleet would otherwise re-store them all before its
   backlog. A new fleet DB under an old session therefore gets no retained state: give it a new client id.
 - Two threads: the broker client's only enqueues what arrives; a writer takes what is queued (up to BATCH_MAX,
-  waiting at most BATCH_LINGER_S for more, so a lone message is not held up), stores it in one transaction
-  (fleet.ingest.ingest_batch), and then hands the acknowledgements back to the client's thread: the protocol acks,
-  then a manual PUBACK of exactly those messages, on the connection they came on. Nothing is acknowledged before
-  its transaction committed.
+  waiting at most BATCH_LINGER_S for more, so a lone message is not held up), stores it (fleet.ingest.ingest_batch:
+  the telemetry in one transaction, the rest in small ones), and then hands the acknowledgements back to the
+  client's thread: the protocol acks, then a manual PUBACK of exactly those messages, on the connection they came
+  on. Nothing is acknowledged before its transaction committed.
 - Flow control: the listener asks the broker (MQTT 5 Receive Maximum) for at most RECEIVE_MAXIMUM unacknowledged
   messages, which is what a batch can grow to while the previous one commits (a client that does not ask gets the
   broker's own limit: mosquitto's max_inflight_messages, 20 by default, which mosquitto 2.0.11 keeps strictly

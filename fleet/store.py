@@ -380,12 +380,7 @@ class FleetStore(Store):
                 speedups.setdefault(name, []).append(speedup)
         records = {r[0]: r[1] for r in self.query(f"SELECT device_id, count(*) FROM records{one} GROUP BY device_id",
                                                   args)}
-        telemetry = {}
-        if newest_sample:  # one lookup per device in telemetry_device (device_id, id)
-            telemetry = {r[0]: dict(zip(SAMPLE_FIELDS, r[1:])) for r in self.query(
-                f"SELECT t.device_id, {', '.join('t.' + k for k in SAMPLE_FIELDS)} FROM devices d JOIN telemetry t"
-                " ON t.id = (SELECT max(id) FROM telemetry WHERE device_id = d.id)"
-                + (" WHERE d.id = ?" if device is not None else ""), args)}
+        telemetry = self.newest_samples(None if device is None else [device]) if newest_sample else {}
         out = []
         for row in self.query(f"SELECT {', '.join(SUMMARY_FIELDS)} FROM devices"
                               + (" WHERE id = ?" if device is not None else "") + " ORDER BY id", args):
@@ -397,6 +392,18 @@ class FleetStore(Store):
                      records=records.get(name, 0), telemetry=telemetry.get(name) if newest_sample else None)
             out.append(d)
         return out
+
+    def newest_samples(self, devices: Sequence[str] | None = None) -> dict[str, dict]:
+        """Each device's newest telemetry sample (of `devices`, else of all): one lookup per device in
+        telemetry_device (device_id, id), never a pass over the telemetry."""
+        where, args = "", ()
+        if devices is not None:
+            if not devices:
+                return {}
+            where, args = f" WHERE d.id IN ({', '.join('?' * len(devices))})", tuple(devices)
+        return {r[0]: dict(zip(SAMPLE_FIELDS, r[1:])) for r in self.query(
+            f"SELECT t.device_id, {', '.join('t.' + k for k in SAMPLE_FIELDS)} FROM devices d JOIN telemetry t"
+            f" ON t.id = (SELECT max(id) FROM telemetry WHERE device_id = d.id){where}", args)}
 
     def device(self, device: str) -> dict | None:
         r = self.query_one("SELECT * FROM devices WHERE id=?", (device,))
