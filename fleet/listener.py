@@ -165,7 +165,8 @@ class Listener(Handler):
         tx = sorted(self._tx_s)
         at = lambda q: round(1000 * tx[min(len(tx) - 1, int(q * len(tx)))], 1) if tx else None  # noqa: E731
         batches = self.counts["batches"]
-        return {"batches": batches, "messages_per_batch": round(self.counts["messages"] / batches, 1) if batches else None,
+        per = round(self.counts["messages"] / batches, 1) if batches else None
+        return {"batches": batches, "messages_per_batch": per,
                 "batch_max": self._batch_max, "tx_ms_p50": at(0.5), "tx_ms_p99": at(0.99), "tx_ms_max": at(1.0)}
 
     # ---- the broker client's callbacks (its thread) --------------------------------------------------------

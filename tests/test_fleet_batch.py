@@ -6,13 +6,12 @@ the retained state again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 import uuid
-
-import paho.mqtt.client as mqtt
-import pytest
+from typing import Iterator
 
 from edgetune.broker import Connection, Message
 from fleet import listener as listener_mod
@@ -63,6 +62,20 @@ def new_listener(mosquitto, db, **kw) -> Listener:
     return lst
 
 
+@contextlib.contextmanager
+def held_rig(mosquitto, db, monkeypatch) -> Iterator[tuple[HeldWriter, Listener, Device]]:
+    """A listener whose writer is held, and a device publishing to it; both closed at the end."""
+    held = HeldWriter(monkeypatch)
+    lst = new_listener(mosquitto, db)
+    dev = Device(mosquitto)
+    try:
+        yield held, lst, dev
+    finally:
+        held.release.set()
+        dev.close()
+        lst.stop()
+
+
 def test_every_acknowledgement_follows_the_commit_that_stored_the_message(mosquitto, db, monkeypatch):
     """Each PUBACK the receiver sends is checked against a second connection to the DB at that moment: the sample
     it acknowledges must already be committed there."""
@@ -98,19 +111,13 @@ def test_every_acknowledgement_follows_the_commit_that_stored_the_message(mosqui
 def test_a_value_the_database_refuses_costs_only_its_own_message(mosquitto, db, monkeypatch):
     """A NUL in text makes PostgreSQL refuse the whole telemetry statement: the batch is stored again one message
     at a time, that message is logged as malformed and the others are stored. SQLite stores the NUL."""
-    held = HeldWriter(monkeypatch)
-    lst = new_listener(mosquitto, db)
-    dev = Device(mosquitto)
-    try:
+    with held_rig(mosquitto, db, monkeypatch) as (held, lst, dev):
         for seq in range(20):
             dev.pub("telemetry", telemetry(seq, boot="bad\u0000boot" if seq == 7 else "boot-1"))
         dev.pub("status", {"state": "online", "session": 1, "version": "0.1.0", "ts": time.time()})
         held.wait_backlog(lst, 21)
         held.release.set()
         assert lst.wait_for(lambda c: c["messages"] >= 21, T), dict(lst.counts)
-    finally:
-        dev.close()
-        lst.stop()
     assert held.batches[0] == 21  # one batch held them all
     postgres = isinstance(db, str)
     with open_fleet_store(db) as s:
@@ -123,10 +130,7 @@ def test_a_value_the_database_refuses_costs_only_its_own_message(mosquitto, db, 
 
 def test_a_full_queue_stops_the_client_reading_until_the_writer_catches_up(mosquitto, db, monkeypatch):
     monkeypatch.setattr(listener_mod, "QUEUE_MAX", 5)
-    held = HeldWriter(monkeypatch)
-    lst = new_listener(mosquitto, db)
-    dev = Device(mosquitto)
-    try:
+    with held_rig(mosquitto, db, monkeypatch) as (held, lst, dev):
         for seq in range(40):
             dev.pub("telemetry", telemetry(seq))  # all at the broker, and on their way to us (Receive Maximum 2000)
         held.wait_backlog(lst, 5)
@@ -138,9 +142,6 @@ def test_a_full_queue_stops_the_client_reading_until_the_writer_catches_up(mosqu
         assert lst.backlog == 5 and not lst.accepting()
         held.release.set()
         assert lst.wait_for(lambda c: c["telemetry"] >= 40, T), dict(lst.counts)
-    finally:
-        dev.close()
-        lst.stop()
     with open_fleet_store(db) as s:
         assert sorted(t["seq"] for t in s.telemetry(DEV)) == list(range(40))
 
@@ -149,10 +150,7 @@ def test_the_broker_sends_no_more_than_the_receive_maximum_unacknowledged(mosqui
     """With the writer held, mosquitto stops at the receiver's Receive Maximum. A QoS 0 message, which no window
     holds back, published after them all marks the moment the broker has handled everything before it."""
     monkeypatch.setattr(listener_mod, "RECEIVE_MAXIMUM", 8)
-    held = HeldWriter(monkeypatch)
-    lst = new_listener(mosquitto, db)
-    dev = Device(mosquitto)
-    try:
+    with held_rig(mosquitto, db, monkeypatch) as (held, lst, dev):
         for seq in range(30):
             dev.pub("telemetry", telemetry(seq))
         dev.c.publish(f"edgetune/v1/{DEV}/telemetry", json.dumps(telemetry(1000)), qos=0).wait_for_publish(T)
@@ -160,9 +158,6 @@ def test_the_broker_sends_no_more_than_the_receive_maximum_unacknowledged(mosqui
         assert lst.backlog == 9  # 8 QoS 1 samples and the marker
         held.release.set()
         assert lst.wait_for(lambda c: c["telemetry"] >= 31, T), dict(lst.counts)
-    finally:
-        dev.close()
-        lst.stop()
     with open_fleet_store(db) as s:
         assert sorted(t["seq"] for t in s.telemetry(DEV)) == [*range(30), 1000]
 
