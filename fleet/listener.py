@@ -161,7 +161,7 @@ class Listener(Handler):
         log.info("fleet listener stopped: %s", dict(self.counts))
 
     def stats(self) -> dict:
-        """Batches so far and the duration of recent ones (transaction through commit), for benchmarks and logs."""
+        """Batches so far and the duration of recent ones (transactions through commit), for `fleet listen --json`."""
         tx = sorted(self._tx_s)
         at = lambda q: round(1000 * tx[min(len(tx) - 1, int(q * len(tx)))], 1) if tx else None  # noqa: E731
         batches = self.counts["batches"]
