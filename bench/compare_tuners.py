@@ -1,5 +1,9 @@
 """Compare tuners side by side on the tuner model's held-out cases: `python bench/compare_tuners.py`.
 
+`--real-layers` runs the comparison that the tuner's targets are judged by instead: held-out real model layers,
+tuned for real on this machine and measured side by side with a long search's best (bench/tuners_real.py, whose
+flags it takes).
+
 Replay (eval counts): every held-out case of the committed dataset (quantized_models/data/runs.jsonl.gz) has a
 reference table: every config measured on it (the seeded sample, the defaults and an annealing refinement),
 whose best is the case's best-known. Each strategy tunes each case over that table as its universe (as Kernel
@@ -107,7 +111,7 @@ def run_builtin(name: str, ev: Replay, budget: int, seed: int) -> tuple[list[flo
 def run_llm(ev: Replay, budget: int, seed: int, kernel: str, proposer) -> tuple[list[float], float]:
     from tuner.strategies.llm import LLMStrategy
 
-    s = LLMStrategy(ev.space(), seed, kernel=get_spec(kernel), proposer=proposer, refine_patience=budget)
+    s = LLMStrategy(ev.space(), seed, kernel=get_spec(kernel), proposer=proposer, patience=budget)
     # the proposer sees the table through the space's constraints (prefix-pruned), like every other strategy
     traj = run_askteller(s, ev, budget, batch=5)
     return traj, (s.latency_ms or 0.0) / 1e3
@@ -386,9 +390,9 @@ def held_out_hw(case: D.Case, cache: dict) -> object:
     return cache[case.isa]
 
 
-def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int = 7, pool: int = 1) -> list[dict]:
-    """Strategy llm's first batch (the model's top-k over the full space, hedged when pool > 1) on every held-out
-    case, compiled and measured now in rounds with the case's best-known config (`measure_lists`).
+def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int = 7) -> list[dict]:
+    """Strategy llm's first batch (the model's hedged top-k over the full space) on every held-out case, compiled
+    and measured now in rounds with the case's best-known config (`measure_lists`).
 
     This is the product path (the full space, not the replay table): a proposal the collection never measured
     counts at its real speed. A proposal faster than the best-known counts as within 5%."""
@@ -403,7 +407,7 @@ def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int =
         for i, case in enumerate(cases):
             spec = specs[case.kernel]
             space = spec.space(case.shape, held_out_hw(case, hws))
-            top = LLMStrategy(space, kernel=spec, proposer=prop, k=k, pool=pool).ask(k)[:k]
+            top = LLMStrategy(space, kernel=spec, proposer=prop, k=k).ask(k)[:k]
             lists, control, ref_ms = measure_lists(runner, spec, case, space.hw, {"llm": top}, rounds, seed=i)
             ratios = lists["llm"]
             hit = next((n + 1 for n, r in enumerate(ratios) if r is not None and r <= 1.05), None)
@@ -488,6 +492,10 @@ def print_table(summ: list[dict], budget: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--real-layers" in (sys.argv[1:] if argv is None else argv):
+        import tuners_real
+
+        return tuners_real.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=str(D.DEFAULT_DATA))
     ap.add_argument("--model", help="GGUF (default: the bundled model)")
@@ -497,7 +505,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real", type=int, default=0, help="also tune N held-out workloads for real")
     ap.add_argument("--measure-topk", type=int, default=0, metavar="K",
                     help="also compile and measure the model's unrestricted top-K on every held-out case")
-    ap.add_argument("--pool", type=int, default=1, help="llm's hedged top-K is drawn from its exact top-(K*pool)")
     ap.add_argument("--json", help="write all results to this file")
     a = ap.parse_args(argv)
     names = [s for s in a.strategies.split(",") if s != "peers"]
@@ -542,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.measure_topk:
         print(f"\nthe model's unrestricted top-{a.measure_topk}, measured now against each case's best-known "
               f"config ({len(held)} held-out cases):", flush=True)
-        topk = measured_topk(held, a.measure_topk, Path(a.model) if a.model else None, pool=a.pool)
+        topk = measured_topk(held, a.measure_topk, Path(a.model) if a.model else None)
         ev = [r["evals_to"] or a.measure_topk + 1 for r in topk]
         hits = sum(e <= a.measure_topk for e in ev)
         lo, hi = share_interval(hits, len(ev))

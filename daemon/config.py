@@ -9,6 +9,7 @@ from pathlib import Path
 from edgetune.config import Section, positive
 from edgetune.errors import BadInput
 from edgetune.release import MAX_MODEL_BYTES
+from hwprobe.isa import LADDERS
 
 
 @dataclass
@@ -17,6 +18,12 @@ class DaemonKeys:
 
     telemetry_interval_s: float = 60.0
     idle_load_threshold: float = 0.5  # load1 per core under which background tuning runs
+    isa: str = ""  # cap the ISA, e.g. "x86-64-v2": tune as a smaller device of this arch would (empty: the CPU's)
+
+
+def _isa(v: str) -> str | None:
+    names = [r.name for ladder in LADDERS.values() for r in ladder]
+    return None if v == "" or v in names else f"{v!r} is no ISA level; one of {', '.join(names)}"
 
 
 @dataclass
@@ -30,7 +37,7 @@ class OutboxConfig:
 
 
 SECTIONS = [
-    Section("", DaemonKeys, {"telemetry_interval_s": positive, "idle_load_threshold": positive}),
+    Section("", DaemonKeys, {"telemetry_interval_s": positive, "idle_load_threshold": positive, "isa": _isa}),
     Section("outbox", OutboxConfig, {
         "max_bytes": lambda v: None if v >= 64 * 1024 else "must be at least 65536",
         "max_age_s": positive,

@@ -101,7 +101,7 @@ class Daemon:
     def _startup(self) -> bool:
         """False when told to stop while waiting for disk space."""
         sdnotify.notify(STATUS="starting: probing the hardware")
-        self.hw = probe(measure_bandwidth=True)
+        self.hw = probe(isa_cap=self.cfg.isa or None, measure_bandwidth=True)
         repaired = slots.repair()  # before anything loads the committed model
         if repaired:
             log.error("tuner model: %s", repaired)
@@ -421,7 +421,7 @@ class Daemon:
 
     def _reprobe(self) -> dict:
         """Probe again and republish info; a new fw_fingerprint is a firmware change."""
-        hw = probe(measure_bandwidth=True)
+        hw = probe(isa_cap=self.cfg.isa or None, measure_bandwidth=True)
         old_fw, self.hw = self.hw.fw_fingerprint, hw
         self.scheduler.hw = hw
         self.publisher.info(self._info())

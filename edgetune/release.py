@@ -27,7 +27,7 @@ from typing import Any
 from edgetune.errors import BadInput
 
 MAX_MODEL_BYTES = 64 << 20  # the device budget is 5 MB; anything near this limit is a mistake or an attack
-PROMPT_FORMAT = "edgetune-prompt-3"  # tuner.model.inference.PROMPT_FORMAT: what devices speak
+PROMPT_FORMAT = "edgetune-prompt-4"  # tuner.model.inference.PROMPT_FORMAT: what devices speak
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 KEY_ID_RE = re.compile(r"[0-9a-f]{16}")

@@ -7,6 +7,7 @@
   edgetune fleet export-records -o FILE [--db F] [--json]       tuning records as JSONL training data
   edgetune fleet serve --broker … [--config F] [--port P]       receiver + web dashboard and JSON API (fleet/serve.py)
   edgetune fleet token create --role viewer|operator | list | revoke   API tokens of `fleet serve`
+  edgetune fleet key create | model build|add|list|publish | rollout list|show|pause|resume|abort   (model_cli)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fleet", help="fleet receiver: collect device reports over MQTT, list devices, send retunes",
                        description=__doc__.splitlines()[0])
     fs = p.add_subparsers(dest="fleet_verb", required=True,
-                          metavar="{listen,serve,devices,show,retune,export-records,token}")
+                          metavar="{listen,serve,devices,show,retune,export-records,token,key,model,rollout}")
 
     q = fs.add_parser("listen", help="subscribe to every device and store what they publish (until SIGINT/SIGTERM)")
     add_broker_args(q)
@@ -86,9 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     json_flag(q)
     q.set_defaults(func=cmd_export_records)
 
-    from fleet import serve
+    from fleet import model_cli, serve
 
     serve.register(fs)
+    model_cli.register(fs, _open_existing, _db_arg)
 
 
 def _db_arg(p: argparse.ArgumentParser) -> None:

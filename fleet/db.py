@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import re
 import threading
 from typing import Any, ClassVar, Iterator, Self, Sequence
@@ -114,11 +115,9 @@ class PgStore:
     SCHEMA: ClassVar[Schema]
 
     def __init__(self, url: str, *, fix: str, full_fix: str = "free some space on the database server and retry"):
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("psycopg") is None:
             raise BadInput(f"{redact(url)}: PostgreSQL needs psycopg; install edgetune[fleet] "
-                           "(pip install 'edgetune[fleet]')") from None
+                           "(pip install 'edgetune[fleet]')")
         self.url, self.path, self.fix, self.full_fix = url, redact(url), fix, full_fix
         self.lock = threading.RLock()
         self.conn: Any = None

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from edgetune import protocol as wire
 from edgetune.protocol import CMD_RES, COMMAND_STATES, STATUS_STATES, TERMINAL_STATES, ProtocolError
 from edgetune.sqlite import DBError
+from fleet import rollout_store
 from fleet.store import FleetStore, Sample
 
 log = logging.getLogger("fleet.ingest")
@@ -37,7 +38,7 @@ class Malformed(ProtocolError):
 
 @dataclass(frozen=True)
 class Outcome:
-    kind: str  # status | info | active | record | telemetry | cmd_req | cmd_res | ignored | malformed
+    kind: str  # status | info | active | record | telemetry | cmd_req | cmd_res | model_state | ignored | malformed
     device: str | None
     detail: str = ""  # new | duplicate | updated | stale | changed | same | cleared | stored
     error: str | None = None
@@ -252,10 +253,24 @@ def _cmd_res(store: FleetStore, device: str, sub: str, payload: bytes, retained:
     return Outcome("cmd_res", device, status, ack=wire.result_ack_key(cid) if status in TERMINAL_STATES else None)
 
 
+def _model_state(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    if not payload:
+        return Outcome("model_state", device, "cleared")
+    obj = wire.decode(payload, wire.MODEL_STATE.sub)
+    state = obj.get("state")
+    if state not in wire.MODEL_STATES:
+        raise Malformed(f"model/state: state {str(state)[:50]!r} is not one of {', '.join(wire.MODEL_STATES)}")
+    fields = {"state": state, "rollout_id": _ident(obj.get("rollout_id")), "phase": _text(obj.get("phase"), 50),
+              "version": _int(obj.get("version")), "reason": _text(obj.get("reason"), 100),
+              "detail": _text(obj.get("detail"), 2000), "ts": _num(obj.get("ts"))}
+    moved = rollout_store.put_model_state(store, device, obj, fields, now, _seen(fields["ts"], retained, now))
+    return Outcome("model_state", device, "rollout" if moved else "stored")
+
+
 Handler = Callable[[FleetStore, str, str, bytes, bool, float], Outcome]
 _HANDLERS: dict[wire.TopicSpec, Handler] = {
     wire.STATUS: _status, wire.INFO: _info, wire.CONFIG_ACTIVE: _active, wire.TUNING_RECORD: _record,
-    wire.TELEMETRY: _telemetry, wire.CMD_REQ: _cmd_req, wire.CMD_RES: _cmd_res,
+    wire.TELEMETRY: _telemetry, wire.CMD_REQ: _cmd_req, wire.CMD_RES: _cmd_res, wire.MODEL_STATE: _model_state,
 }
 
 

@@ -1,4 +1,5 @@
-"""`edgetune fleet serve`: the receiver and the dashboard/API in one process, and `edgetune fleet token …`.
+"""`edgetune fleet serve`: the receiver, the dashboard/API, the model files (/releases/) and the rollout
+controller in one process, and `edgetune fleet token …`.
 
 The receiver (fleet.listener) runs in a thread and owns its store connection; the ASGI app runs under uvicorn in
 the main thread, which also takes SIGINT/SIGTERM, and reads the same DB through its own connections (SQLite in WAL
@@ -67,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fleet.commands import send_command
     from fleet.listener import Listener
     from fleet.retention import Pruner
+    from fleet.rollout_controller import RolloutController
     from fleet.store import open_fleet_store
     from fleet.web.server import create_app
     from fleet.web.auth import Auth
@@ -97,9 +99,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda signum, frame: listener.request_stop())
     listener.start()
     pruner = Pruner(db, cfg.retention_days).start()
+    rollouts = RolloutController(opts, db).start()
     try:
         server.run()  # returns after a signal, once the open requests finished
     finally:
+        rollouts.stop()
         pruner.stop()
         listener.stop()
     return 0 if server.started else 1

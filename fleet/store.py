@@ -119,6 +119,52 @@ MIGRATIONS: list[str] = [
     CREATE INDEX telemetry_received ON telemetry(received_at);
     CREATE INDEX telemetry_device ON telemetry(device_id, id)
     """,
+    # v3: tuner-model releases and their staged rollouts (queries in fleet.rollout_store)
+    """
+    CREATE TABLE models (                        -- tuner models the fleet can release, versions monotonic
+        id INTEGER PRIMARY KEY,
+        version INTEGER NOT NULL UNIQUE,         -- the release version devices compare (1: the bundled model)
+        name TEXT NOT NULL, sha256 TEXT NOT NULL UNIQUE, size INTEGER NOT NULL,
+        model_version TEXT,                      -- the GGUF's own version string
+        prompt_format TEXT NOT NULL, spaces_json TEXT NOT NULL, card_json TEXT,
+        source TEXT NOT NULL,                    -- bundled | added | built
+        note TEXT, data BLOB NOT NULL, created_at REAL NOT NULL
+    );
+    CREATE TABLE rollouts (
+        id TEXT PRIMARY KEY,
+        version INTEGER NOT NULL,                -- the model released
+        rollback_version INTEGER NOT NULL,       -- the model an abort returns the devices to
+        state TEXT NOT NULL,                     -- active | paused | completed | aborted
+        phases_json TEXT NOT NULL,               -- cumulative shares of the targets, e.g. [5, 25, 100]
+        phase INTEGER NOT NULL,                  -- index into phases of the phase now released
+        phase_started_at REAL NOT NULL,
+        min_dwell_s REAL NOT NULL, advance_pct REAL NOT NULL, abort_pct REAL NOT NULL, abort_min INTEGER NOT NULL,
+        selector_json TEXT NOT NULL,             -- how the targets were chosen
+        manifest_json TEXT NOT NULL, signature TEXT NOT NULL,
+        rollback_manifest_json TEXT NOT NULL, rollback_signature TEXT NOT NULL,   -- signed at publish time
+        reason TEXT,                             -- why it was paused or aborted
+        created_at REAL NOT NULL, updated_at REAL NOT NULL, ended_at REAL
+    );
+    CREATE TABLE rollout_devices (               -- each target device's cohort and where it is with the release
+        rollout_id TEXT NOT NULL, device_id TEXT NOT NULL,
+        cohort_rank INTEGER NOT NULL,            -- order by sha256(rollout id, device id): the cohort draw
+        phase INTEGER NOT NULL,                  -- the first phase that includes it
+        attempt INTEGER NOT NULL DEFAULT 0,      -- retries of a failed download: rollout_id "<id>:retry<n>"
+        sent_at REAL, state TEXT, reason TEXT, detail TEXT, ts REAL,   -- ts: the device's, of its newest report
+        rollback_sent_at REAL, rollback_state TEXT, rollback_reason TEXT, rollback_detail TEXT, rollback_ts REAL,
+        PRIMARY KEY (rollout_id, device_id)
+    );
+    CREATE TABLE rollout_events (                -- what happened to a rollout, for the page and the audit
+        id INTEGER PRIMARY KEY,
+        rollout_id TEXT NOT NULL, ts REAL NOT NULL, kind TEXT NOT NULL, actor TEXT, detail TEXT
+    );
+    CREATE INDEX rollout_events_rollout ON rollout_events(rollout_id, id);
+    CREATE TABLE model_states (                  -- each device's newest model/state document
+        device_id TEXT PRIMARY KEY,
+        state TEXT, rollout_id TEXT, phase TEXT, version INTEGER, reason TEXT, detail TEXT, ts REAL,
+        doc_json TEXT NOT NULL, received_at REAL NOT NULL
+    )
+    """,
 ]
 FIX = "move it aside (rename it) or pass --db with another path"
 PRUNE_BATCH = 5000  # telemetry rows deleted per transaction, so a prune never holds the writers up for long
@@ -208,6 +254,15 @@ class FleetStore(Store):
             return contextlib.nullcontext(self._batch[1])
         return self.tx()
 
+    @contextlib.contextmanager
+    def device_write(self, device: str, now: float, seen: float | None) -> Iterator[Any]:
+        """The connection for a write about one device received from it (every put_*, and the stores of other
+        modules, e.g. fleet.rollout_store's model/state): the open batch's transaction in this thread, else one
+        of its own, with the device row touched first (row-locked until the commit, see the module docstring)."""
+        with self._write() as c:
+            self._touch(c, device, now, seen)
+            yield c
+
     # ---- writes (each one transaction) ---------------------------------------------------------------------
 
     @staticmethod
@@ -222,8 +277,7 @@ class FleetStore(Store):
     def put_status(self, device: str, state: str, session: int | None, version: str | None, ts: float | None,
                    retained: bool, now: float, seen: float | None) -> bool:
         """Record a status message; the newest one received sets the device state. Returns whether it changed."""
-        with self._write() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             c.execute("INSERT INTO status_history (device_id, state, session, version, ts, retained, received_at)"
                       " VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
                       (device, state, session, version, ts, int(retained), now))
@@ -234,8 +288,7 @@ class FleetStore(Store):
         return old != state
 
     def put_info(self, device: str, info: dict, hw: dict, now: float, seen: float | None) -> None:
-        with self._write() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             c.execute("UPDATE devices SET info_json=?, info_at=?, cpu_model=?, arch=?, isa=?, vector_bits=?, cores=?,"
                       " hw_fingerprint=coalesce(?, hw_fingerprint), fw_fingerprint=coalesce(?, fw_fingerprint),"
                       " model_version=coalesce(?, model_version) WHERE id=?",
@@ -251,8 +304,7 @@ class FleetStore(Store):
                    seen: float | None) -> None:
         """Replace the device's active configs with this document's (None: the retained document was cleared).
         `meta` holds the document's validated model_version, hw_fingerprint and fw_fingerprint."""
-        with self._write() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             c.execute("DELETE FROM active_configs WHERE device_id=?", (device,))
             for e in entries:
                 c.execute("INSERT INTO active_configs (device_id, slot, kernel, workload, config_json, ms,"
@@ -272,8 +324,7 @@ class FleetStore(Store):
         text = _dumps(payload)
         n = fields["n_measurements"]
         terminal = fields.get("state") in TERMINAL_RECORD_STATES
-        with self._write() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             old = c.execute("SELECT id, payload_json, n_measurements, state FROM records WHERE device_id=? AND"
                             " record_uid=?", (device, uid)).fetchone()
             if old is None:
@@ -298,8 +349,7 @@ class FleetStore(Store):
 
     def put_telemetry(self, device: str, t: dict, payload: dict, now: float, seen: float | None) -> bool:
         """Store one telemetry sample; False when (device, boot_id, seq) was already stored."""
-        with self._write() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             return self._insert_telemetry(c, [Sample(device, t, payload)], now)[0]
 
     def put_telemetry_many(self, samples: Sequence[Sample], now: float) -> list[bool]:
@@ -317,8 +367,7 @@ class FleetStore(Store):
 
     def put_command(self, device: str, cmd_id: str, op: str | None, args: Any, expires_at: float | None,
                     now: float) -> None:
-        with self._write() as c:
-            self._touch(c, device, now, None)
+        with self.device_write(device, now, None) as c:
             c.execute("INSERT INTO commands (device_id, id, op, args_json, expires_at, requested_at, updated_at)"
                       " VALUES (?,?,?,?,?,?,?) ON CONFLICT(device_id, id) DO UPDATE SET op=excluded.op,"
                       " args_json=excluded.args_json, expires_at=excluded.expires_at,"
@@ -328,8 +377,7 @@ class FleetStore(Store):
     def put_response(self, device: str, cmd_id: str, status: str, progress: Any, reason: str | None, result: Any,
                      now: float) -> None:
         """Log a response; the command's status follows it, except that a final status is never undone."""
-        with self._write() as c:
-            self._touch(c, device, now, now)
+        with self.device_write(device, now, now) as c:
             c.execute("INSERT INTO command_responses (device_id, command_id, status, progress_json, reason,"
                       " result_json, received_at) VALUES (?,?,?,?,?,?,?)",
                       (device, cmd_id, status, _dumps(progress), reason, _dumps(result), now))

@@ -15,7 +15,7 @@ from tuner.train.data import add_measurement, load_collector, load_records
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--kernel", "gru", "--isa", "x86-64-v2", "--configs", "3", "--shapes", "4", "--heldout", "1",
-        "--extra-shapes", "1", "--refine", "2", "--refine-heldout", "3", "--confirm-top", "2", "--confirm-rounds", "2",
+        "--extra-shapes", "1", "--arch-layers", "1", "--refine", "2", "--refine-heldout", "3", "--confirm-top", "2", "--confirm-rounds", "2",
         "--min-time", "0.002", "--max-reps", "3"]
 
 
@@ -66,7 +66,9 @@ def test_collector_survives_kill_9_and_resumes_without_duplicates(tmp_path):
     for r in rows:
         if r["phase"] == "refine":
             refine[(r["shape_key"], r["split"])] = refine.get((r["shape_key"], r["split"]), 0) + 1
-    assert sorted(refine.values()) == [2, 2, 2, 2, 3]  # 4 training cases x 2 evals, 1 held-out case x 3
+    # 5 training cases (3 bundled + 1 synthetic, and 1 real-architecture layer) x 2 evals, 1 held-out case x 3
+    assert sorted(refine.values()) == [2, 2, 2, 2, 2, 3]
+    assert sum(1 for r in first if r["workload"] == "hello_edge_gru_s") > 0  # the layer, from arch_layers.toml
     # each training case's 2 fastest configs, measured 2 more times each, across both kills
     for sk in {r["shape_key"] for r in first if r["split"] == "train"}:
         case = sorted((r for r in first if r["shape_key"] == sk and r["ok"]), key=lambda r: r["ms"])
@@ -79,7 +81,7 @@ def test_collector_survives_kill_9_and_resumes_without_duplicates(tmp_path):
 
     card = data_card(out)
     assert f"{len(rows)} measurements ({len(rows)} ok" in card
-    assert "5 cases (kernel x ISA x shape): 4 train, 1 held-out." in card
+    assert "6 cases (kernel x ISA x shape): 5 train, 1 held-out." in card
     assert "refine_heldout" not in card and "3 evals for a held-out case" in card
     assert "min in 3 runs (" in card  # the killed runs and the resume: wall time summed per run, not first-to-last
 
@@ -116,7 +118,7 @@ def test_changed_leaders_are_confirmed_again_side_by_side(tmp_path):
         assert {k: sorted(v) for k, v in case.confirm_ms.items()} == by_new  # the earlier rounds are not pooled in
         assert {config_key(c) for c, _ in case.ranked()[:3]} == set(leaders[:3])
         trained += 1
-    assert trained == 4
+    assert trained == 5  # 3 bundled, 1 synthetic and 1 real-architecture training shape
 
 
 def test_training_ranks_confirmed_leaders_by_their_rounds_alone():

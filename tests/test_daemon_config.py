@@ -86,3 +86,11 @@ def test_power_is_a_typed_section_checked_by_its_package(tmp_path):
     none = write(tmp_path / "none.toml", '[tuning]\nobjective = "edp"\nworkloads = ["bundled"]\n')
     assert [(p.key, p.message) for p in config.load(none).problems] == [
         ("tuning.objective", "'edp' needs a power meter: set [power] meter (text, um or rapl)")]
+
+
+def test_an_isa_cap_names_a_level_of_some_arch(tmp_path):
+    cfg = write(tmp_path / "e.toml", 'isa = "x86-64-v9"\n')
+    problems = {p.key: p.message for p in config.load(cfg).problems}
+    assert "x86-64-v9" in problems["isa"] and "x86-64-v2" in problems["isa"]
+    write(cfg, 'isa = "x86-64-v2"\n')
+    assert config.load(cfg).problems == [] and config.load(cfg).config.isa == "x86-64-v2"

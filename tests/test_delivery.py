@@ -155,11 +155,14 @@ def test_damaged_fleet_db_pages_are_a_db_error_not_a_malformed_payload(tmp_path,
                                                        "rss"))}, {"pad": "z" * 400}, 1.0, 1.0)
     with sqlite3.connect(db) as c:
         c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        # telemetry's pages but its root (the schema's pages lie among them: where, depends on the migrations)
+        damaged = [p for (p,) in c.execute("SELECT pageno FROM dbstat WHERE name='telemetry' AND pageno !="
+                                           " (SELECT rootpage FROM sqlite_master WHERE name='telemetry')")]
     raw = bytearray(db.read_bytes())
     page = 4096
-    pages = len(raw) // page
-    for p in range(pages // 2, pages):  # damage telemetry's pages, keep the schema pages at the start intact
-        raw[p * page: p * page + 200] = os.urandom(200)
+    assert len(damaged) >= 10
+    for p in damaged:
+        raw[(p - 1) * page: (p - 1) * page + 200] = os.urandom(200)
     db.write_bytes(bytes(raw))
     lst = listener(mosquitto, db, client_id="fleet-damaged")
     bus = Bus(mosquitto, ())

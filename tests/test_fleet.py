@@ -504,7 +504,7 @@ def test_status_history_dedupes_retained_redelivery_and_final_responses_stick(db
 
 def test_schema_is_versioned_and_foreign_files_are_refused(tmp_path):
     with FleetStore(tmp_path / "f.db") as s:
-        assert s.schema_version == 2
+        assert s.schema_version == 3
     foreign = tmp_path / "foreign.db"
     sqlite3.connect(foreign).execute("CREATE TABLE x (y)").connection.commit()
     with pytest.raises(DBForeign, match="not an edgetune fleet DB"):
@@ -516,14 +516,16 @@ _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
     max_leaves=20)
-_field_values = st.one_of(_json, st.sampled_from(["online", "lost", "done", "accepted", "succeeded", "b1"]))
+_field_values = st.one_of(_json, st.sampled_from(["online", "lost", "done", "accepted", "succeeded", "b1",
+                                                 "committed"]))
 _contract_keys = ["state", "session", "ts", "seq", "boot_id", "kernel", "workload", "measurements", "id", "status",
-                  "kernels", "hw", "progress", "record_id", "started_at", "op", "args", "expires_at", "cpu_model"]
+                  "kernels", "hw", "progress", "record_id", "started_at", "op", "args", "expires_at", "cpu_model",
+                  "rollout_id", "phase", "version"]
 _objects = st.dictionaries(st.sampled_from(_contract_keys), _field_values, max_size=8)
 _payloads = st.one_of(st.binary(max_size=200), _json.map(lambda x: json.dumps(x).encode()),
                       _objects.map(lambda x: json.dumps(x).encode()))
 _subs = st.sampled_from(["status", "info", "config/active", "tuning/record", "telemetry", "cmd/req", "cmd/res/x",
-                         "cmd/res/", "cmd/res/a/b", "other"])
+                         "cmd/res/", "cmd/res/a/b", "model/state", "other"])
 
 
 def test_ingest_never_raises_on_fuzzed_payloads(db):

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from edgetune.broker import Connection, Message
 from fleet import listener as listener_mod
+from fleet import rollout_store
 from fleet.listener import Listener
 from fleet.store import open_fleet_store
 from tests.test_fleet import DEV, T, Device, db, opts  # noqa: F401  (db is a fixture)
@@ -106,6 +107,44 @@ def test_every_acknowledgement_follows_the_commit_that_stored_the_message(mosqui
         seen.close()
     assert unstored == [] and sorted(acked) == list(range(300))
     assert lst.counts["batches"] < 300  # they were stored in batches, not one by one
+
+
+def test_a_model_state_report_is_stored_in_the_batch_and_acknowledged_after_its_commit(mosquitto, db, monkeypatch):
+    """model/state reports (fleet.rollout_store) take the batch's write path like every other message: written
+    inside the writer's open batch, and acknowledged only once a second DB connection sees them (it, or a newer
+    report: the table keeps each device's newest)."""
+    seen = open_fleet_store(db, threads=True)
+    unstored, acked, outside = [], [], []
+    real_ack, real_put = Connection.ack, rollout_store.put_model_state
+
+    def checked_ack(conn: Connection, msg: Message) -> None:
+        if msg.topic.endswith("/model/state"):
+            doc = json.loads(msg.payload)
+            if seen.query_one("SELECT 1 FROM model_states WHERE device_id=? AND ts>=?", (DEV, doc["ts"])) is None:
+                unstored.append(doc["ts"])
+            acked.append(doc["ts"])
+        real_ack(conn, msg)
+
+    def in_batch(store, *a, **kw):
+        if store._batch is None or store._batch[0] != threading.get_ident():
+            outside.append(a[0])
+        return real_put(store, *a, **kw)
+
+    monkeypatch.setattr(Connection, "ack", checked_ack)
+    monkeypatch.setattr(rollout_store, "put_model_state", in_batch)
+    with held_rig(mosquitto, db, monkeypatch) as (held, lst, dev):
+        for seq in range(10):
+            dev.pub("telemetry", telemetry(seq))
+            dev.pub("model/state", {"state": "downloading", "version": 2, "ts": 1000.0 + seq})
+        held.wait_backlog(lst, 20)
+        held.release.set()
+        assert lst.wait_for(lambda c: c["model_state"] >= 10 and c["telemetry"] >= 10, T), dict(lst.counts)
+        assert lst.wait_for(lambda c: len(acked) >= 10, T), len(acked)
+    seen.close()
+    assert held.batches[0] == 20 and outside == []
+    assert unstored == [] and sorted(acked) == [1000.0 + i for i in range(10)]
+    with open_fleet_store(db) as s:
+        assert rollout_store.model_state(s, DEV)["ts"] == 1009.0
 
 
 def test_a_value_the_database_refuses_costs_only_its_own_message(mosquitto, db, monkeypatch):

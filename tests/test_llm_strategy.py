@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from kernels.measure import Measurement
 from kernels.registry import get_spec
 from kernels.space import config_key
 from tuner.db import ResultsDB
-from tuner.strategies.llm import LLMStrategy, _PROPOSERS
+from tuner.strategies.llm import DEFAULT_K, PATIENCE, LLMStrategy, _PROPOSERS, evidence_bias, hedged
 from tuner.model.inference import default_model_path
 from tuner.session import Budget, Session
 from tuner.strategies import STRATEGIES, make_strategy
@@ -31,47 +32,120 @@ def test_llm_is_registered_and_default():
     assert DEFAULT_STRATEGY == "llm" and "llm" in STRATEGIES
 
 
-def test_llm_proposes_top_k_then_refines_and_stops(hw):
+def test_llm_hedges_then_steers_by_what_it_measured_and_stops(hw):
     space = GEMM.space(GEMM.workload("mobilenetv2.b6.project").shape, hw)
     s = make_strategy("llm", space, 0, kernel=GEMM)
     assert isinstance(s, LLMStrategy) and s.fallback is None
     assert s.proposer.m.info.sha256[:12] in s.version  # results are keyed by the model
     first = s.ask(2)
-    assert len(first) >= 5 and all(space.is_valid(c) for c in first)  # the top-K as one batch
+    assert len(first) == DEFAULT_K and all(space.is_valid(c) for c in first)  # the hedged top-K as one batch
+    assert len({config_key(c) for c in first}) == DEFAULT_K
     for i, c in enumerate(first):
         s.tell(c, Measurement(ok=True, ms=1.0 + 0.01 * i))
+    seen = {config_key(c) for c in first}
     asked = 0
-    for _ in range(40):  # refinement around the winner, then it stops on its own (patience)
+    for _ in range(40):  # steered proposals, never a measured config, until nothing improves for `patience`
         more = s.ask(2)
         if not more:
             break
+        assert not {config_key(c) for c in more} & seen and all(space.is_valid(c) for c in more)
+        seen |= {config_key(c) for c in more}
         for c in more:
-            assert config_key(c) not in {config_key(x) for x in first}
             s.tell(c, Measurement(ok=True, ms=2.0))
             asked += 1
-    assert 0 < asked <= 8
+    assert PATIENCE <= asked <= PATIENCE + 1  # the first batch measured close together: patience is not doubled
+    assert s.history[0] == (first[0], 1.0)
 
 
-def test_llm_widens_when_proposals_measure_far_apart(hw):
+def test_the_model_is_prompted_with_what_was_measured(hw):
     space = GEMM.space(GEMM.workload("mobilenetv2.b2.expand").shape, hw)
-    s = LLMStrategy(space, 0, kernel=GEMM)
-    first = s.ask(2)
-    for i, c in enumerate(first):  # the model's first pick is 10x the best: its ranking is off here
-        s.tell(c, Measurement(ok=True, ms=10.0 if i == 0 else 1.0))
-    more = s.ask(2)
-    assert s.widened and len(more) >= 2
-    assert not {config_key(c) for c in more} & {config_key(c) for c in first}
+    prop = _PROPOSERS.get(str(default_model_path())) or LLMStrategy(space, 0, kernel=GEMM).proposer
+    top = prop.propose("gemm", space, 8)
+    measured = [(p.config, 1.0 + i) for i, p in enumerate(top.proposals[:3])]
+    res = prop.propose("gemm", space, 5, history=measured, exclude={config_key(c) for c, _ in measured})
+    assert res.prompt.startswith(top.prompt) and res.prompt.count(" h ") == 3 and " t0 ;" in res.prompt
+    assert not {config_key(p.config) for p in res.proposals} & {config_key(c) for c, _ in measured}
+    # without a history, excluding the top 3 yields the next best, in order (up to batching's float noise)
+    nxt = prop.propose("gemm", space, 5, exclude={config_key(c) for c, _ in measured})
+    assert [p.logprob for p in nxt.proposals] == pytest.approx([p.logprob for p in top.proposals[3:8]], abs=1e-2)
+
+
+def test_evidence_bias_is_exact_and_steers_away_from_what_measured_slow(hw):
+    """The bias re-ranks the model's configs by logprob + bias, exactly: the biased top-5 is the top-5 of the
+    unbiased top-80 re-scored, whenever that re-scored fifth beats every config outside the top-80."""
+    space = GEMM.space(GEMM.workload("mobilenetv2.b6.project").shape, hw)
+    prop = LLMStrategy(space, 0, kernel=GEMM).proposer
+    wide = prop.propose("gemm", space, 80).proposals
+    bias = {"threads": {2: -0.8}, "vec": {8: -0.4}}
+    rescored = sorted(((p.logprob + bias.get("threads", {}).get(p.config["threads"], 0.0)
+                        + bias["vec"].get(p.config["vec"], 0.0), config_key(p.config)) for p in wide), reverse=True)
+    assert rescored[4][0] > wide[-1].logprob  # the condition under which the check below is exact
+    got = prop.propose("gemm", space, 5, bias=bias).proposals
+    assert [p.logprob for p in got] == pytest.approx([lp for lp, _ in rescored[:5]], abs=1e-2)
+    with pytest.raises(ValueError):
+        prop.propose("gemm", space, 5, bias={"threads": {1: 0.5}})
+    # from measurements: a value whose best time is 2x the best is down-weighted by weight * log 2
+    d = space.valid_default()
+    hist = [(d | {"threads": 1, "vec": 16}, 1.0), (d | {"threads": 2, "vec": 16}, 2.0), (d | {"threads": 2, "vec": 8}, 3.0)]
+    eb = evidence_bias(space, hist, weight=1.5)
+    assert eb == {"threads": {2: pytest.approx(-1.5 * math.log(2))}, "vec": {8: pytest.approx(-1.5 * math.log(3))}}
+
+
+def test_hedging_covers_the_knobs_the_model_doubts(hw):
+    """A top list that puts 70% of its mass on threads=2 gets a threads=1 config into the first batch; a knob the
+    model is sure of is not hedged."""
+    space = GEMM.space(GEMM.workload("mobilenetv2.b6.project").shape, hw)
+    base = space.valid_default()
+    ranked = []
+    for i, (threads, vec, lp) in enumerate([(2, 16, -0.5), (2, 16, -1.0), (2, 16, -1.2), (1, 16, -1.3),
+                                            (2, 16, -1.5), (1, 16, -2.5), (2, 8, -6.0)]):
+        ranked.append(({**base, "threads": threads, "vec": vec, "mr": [1, 2, 4, 8][i % 4],
+                        "unroll_k": [1, 2, 4, 8][i // 4]}, lp))
+    picked = hedged(ranked, 3, space)
+    assert picked[0] == ranked[0][0] and ranked[3][0] in picked  # the best threads=1 config is in the batch
+    assert all(c["vec"] == 16 for c in picked)  # 99.6% of the mass says vec=16: not hedged
+    assert len({config_key(c) for c in picked}) == 3
+
+
+def test_an_older_model_proposes_the_knobs_it_knows_when_a_kernel_gained_one(hw, monkeypatch):
+    """A kernel that gained a knob since the model was trained (here the model's metadata forgets `prefetch`, as a
+    model trained before it existed would) still gets the model's ranking over the knobs it knows: the new knob at
+    the incumbent's value (the default at first), never decoded nor in the prompt; the neighbour steps explore it."""
+    space = GEMM.space(GEMM.workload("mobilenetv2.b6.project").shape, hw)
+    prop = LLMStrategy(space, 0, kernel=GEMM).proposer
+    meta = prop.m.info.meta
+    spaces = json.loads(meta["edgetune.spaces"])
+    del spaces["gemm"]["prefetch"]
+    monkeypatch.setitem(meta, "edgetune.spaces", json.dumps(spaces))
+    got = prop.propose("gemm", space, 5, history=[(space.valid_default(), 1.0)])
+    assert len(got.proposals) == 5 and all(space.is_valid(p.config) for p in got.proposals)
+    assert {p.config["prefetch"] for p in got.proposals} == {space.default["prefetch"]}
+    assert "prefetch" not in got.prompt
+    s = LLMStrategy(space, 0, kernel=GEMM, proposer=prop)
+    assert s.fallback is None and s.mapped == ["prefetch"] and s.version.endswith("-mapped")
+    asked = s.ask(2)
+    for i in range(4):
+        for j, c in enumerate(asked):
+            s.tell(c, Measurement(ok=True, ms=2.0 - 0.1 * i - 0.01 * j))
+        asked = s.ask(2)
+        if any(c["prefetch"] != space.default["prefetch"] for c in asked):
+            break
+    else:
+        pytest.fail("the new knob was never explored")
 
 
 def test_llm_session_real_compile(hw, runner, tmp_path):
     db = ResultsDB(tmp_path / "r.db")
-    res = Session(db, runner, hw).tune(GEMM, GEMM.workload("kws_dscnn.pw4"), strategy="llm", budget=Budget(evals=12))
+    wl = GEMM.workload("kws_dscnn.pw4")
+    res = Session(db, runner, hw).tune(GEMM, wl, strategy="llm", budget=Budget(evals=12))
     assert res.strategy == "llm" and res.evals <= 12 and res.ms > 0 and res.speedup is not None
     info = db.session_info(res.session_id)
-    assert info["strategy_version"].startswith("1-") and "anneal-fallback" not in info["strategy_version"]
-    first = [m["config"] for m in db.measurements(res.session_id, "search")[:5]]
-    assert first == [p.config for p in _PROPOSERS[str(default_model_path())].propose(
-        "gemm", GEMM.space(GEMM.workload("kws_dscnn.pw4").shape, hw), 5).proposals][:len(first)]
+    assert info["strategy_version"].startswith("2-") and "anneal-fallback" not in info["strategy_version"]
+    first = [m["config"] for m in db.measurements(res.session_id, "search")[:DEFAULT_K]]
+    space = GEMM.space(wl.shape, hw)
+    ranked = [(p.config, p.logprob) for p in _PROPOSERS[str(default_model_path())].propose(
+        "gemm", space, 4 * DEFAULT_K).proposals]
+    assert first == hedged(ranked, DEFAULT_K, space)[:len(first)]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random-bytes", "missing"])

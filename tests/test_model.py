@@ -42,6 +42,8 @@ def _corpus(limit_cases: int = 400) -> list[str]:
         for cfg, _ in c.ranked()[:3]:
             out.append(completion_text(cfg, names))
             out.append(prompt_text(c.kernel, c.shape, c.hw) + completion_text(cfg, names))
+        history = [(cfg, ms) for cfg, ms in c.ranked()[2:7]]  # what a session measured, as later prompts carry it
+        out.append(prompt_text(c.kernel, c.shape, c.hw, history, names) + completion_text(c.ranked()[0][0], names))
     return out
 
 
@@ -400,3 +402,25 @@ def test_propose_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgetune.main", "propose", "gemm", "-k", "2"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "workload" in bad.stderr
+
+
+def test_a_committed_model_of_an_older_prompt_format_gives_way_to_the_bundled_one(tmp_path, monkeypatch, caplog):
+    """An edgetune upgrade can leave the daemon's committed model speaking the previous prompt format: tuning then
+    prompts the bundled model (which always matches) instead of falling back to anneal until a new release."""
+    import hashlib
+    import logging
+
+    from tuner.model import slots
+    from tuner.model.inference import PROMPT_FORMAT, bundled_model_path
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
+    monkeypatch.delenv("EDGETUNE_MODEL", raising=False)
+    bundled = bundled_model_path().read_bytes()
+    for data, expected in ((bundled.replace(PROMPT_FORMAT.encode(), b"edgetune-prompt-3"), bundled_model_path()),
+                           (bundled, slots.slot_model("a"))):
+        slots.slot_dir("a").mkdir(parents=True, exist_ok=True)
+        slots.slot_model("a").write_bytes(data)
+        slots.write_pointer({"slot": "a", "sha256": hashlib.sha256(data).hexdigest(), "version": 7}, None)
+        with caplog.at_level(logging.WARNING, logger="tuner.model.inference"):
+            assert default_model_path() == expected
+    assert any("edgetune-prompt-3" in r.getMessage() and "bundled" in r.getMessage() for r in caplog.records)

@@ -3,7 +3,10 @@
 For every bundled kernel and every ISA cap (x86-64-v2/v3/v4 by default) it
 
 1. picks the kernel's shapes: its bundled workloads plus seeded synthetic shapes spanning edge ranges
-   (`--shapes` per kernel in all), and marks a seeded subset per kernel as *held out* (never trained on);
+   (`--shapes` per kernel in all), and marks a seeded subset per kernel as *held out* (never trained on); then
+   `--arch-layers` training shapes per kernel from real architectures (quantized_models/data/arch_layers.toml)
+   and `--extra-shapes` more synthetic ones. No shape of bench/real_layers.toml (the held-out real layers the
+   tuners are compared on) is ever drawn;
 2. samples a seeded set of configs (`--configs`, plus the default) that are valid for at least one shape,
    compiles each once for that ISA (content-hashed .so, so a restart recompiles nothing) and
 3. measures every config on every shape it is valid for, in one recycled worker per (kernel, ISA);
@@ -52,12 +55,21 @@ def shape_key(shape: dict) -> str:
 
 # ---- shapes ------------------------------------------------------------------------------------------------
 
+def _never_drawn(spec: KernelSpec) -> set[str]:
+    """Shape keys the collector must not draw for `spec`: the held-out real layers of the tuner comparison."""
+    from tuner.train.arch_layers import HELDOUT
+    from kernels.workload_files import read_workloads_file
+
+    return {shape_key(spec.validate_shape(e.shape)) for e in read_workloads_file(HELDOUT) if e.kernel == spec.name}
+
+
 def _draw_synthetic(spec: KernelSpec, rng: random.Random, n: int, seen: set[str],
                     max_mflop: float) -> list[tuple[str, dict]]:
     """Up to `n` new (name, shape) synthetic shapes from `rng` (the spec's own generator), none in `seen` (which
-    grows) nor over max_mflop."""
+    grows), nor a held-out real layer, nor over max_mflop."""
     if spec.synthetic is None:
         raise BadInput(f"kernel {spec.name} has no synthetic shape generator: set `synthetic` in its spec")
+    seen |= _never_drawn(spec)
     out: list[tuple[str, dict]] = []
     for _ in range(10_000):
         if len(out) >= n:
@@ -97,6 +109,16 @@ def extra_shapes(spec: KernelSpec, base: list[tuple[str, dict, str]], n: int, se
     rng = random.Random(f"extra-shapes-{spec.name}-{seed}")
     drawn = _draw_synthetic(spec, rng, n, {shape_key(s) for _, s, _ in base}, max_mflop)
     return [(name, s, "train") for name, s in drawn]
+
+
+def arch_shapes(spec: KernelSpec, base: list[tuple[str, dict, str]], n: int) -> list[tuple[str, dict, str]]:
+    """`n` training shapes from real architectures (tuner.train.arch_layers.spread over the kernel's layers of
+    quantized_models/data/arch_layers.toml), none repeating a base shape."""
+    from tuner.train.arch_layers import read_arch_layers, spread
+
+    have = {shape_key(s) for _, s, _ in base}
+    mine = [e for e in read_arch_layers() if e.kernel == spec.name and shape_key(e.shape) not in have]
+    return [(e.name, dict(e.shape), "train") for e in spread(mine, n)]
 
 
 def sample_configs(spec: KernelSpec, shapes: list[dict], hw: Any, n: int, seed: int = 0) -> list[Config]:
@@ -212,13 +234,14 @@ def _by_shape(todo: list[tuple]) -> list[tuple[tuple, list[Config]]]:
 
 def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_shapes: int, n_heldout: int,
             refine: int, refine_heldout: int, min_time_s: float, max_reps: int, seed: int,
-            dry_run: bool = False, n_extra: int = 0, confirm_top: int = 0, confirm_rounds: int = 0) -> None:
+            dry_run: bool = False, n_extra: int = 0, confirm_top: int = 0, confirm_rounds: int = 0,
+            n_arch: int = 0) -> None:
     from hwprobe import probe
 
     j = Journal(out)
     if not dry_run:  # the settings of every invocation, for the data card
         j.append({"kind": "run", "format": FORMAT, "configs": n_configs, "shapes": n_shapes, "extra_shapes": n_extra,
-                  "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout,
+                  "arch_layers": n_arch, "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout,
                   "confirm_top": confirm_top, "confirm_rounds": confirm_rounds,
                   "min_time_s": min_time_s, "max_reps": max_reps, "seed": seed, "ts": round(time.time(), 3)})
     specs = [s for n, s in all_specs().items() if not kernels or n in kernels]
@@ -239,6 +262,7 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
         for spec in specs:
             shapes = kernel_shapes(spec, n_shapes, n_heldout, seed)
             cfgs = sample_configs(spec, [s for _, s, _ in shapes], hw, n_configs, seed)
+            shapes += arch_shapes(spec, shapes, n_arch)
             shapes += extra_shapes(spec, shapes, n_extra, seed)
             plan = [(name, s, split, c) for name, s, split in shapes for c in cfgs if spec.space(s, hw).is_valid(c)]
             todo = [p for p in plan if (spec.name, isa, shape_key(p[1]), config_key(p[3])) not in j.done]
@@ -491,6 +515,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--extra-shapes", type=int, default=22,
                     help="more synthetic training shapes per kernel (their own seeded stream: the base shapes and "
                          "the held-out split do not change)")
+    ap.add_argument("--arch-layers", type=int, default=30,
+                    help="training shapes per kernel from real architectures (quantized_models/data/arch_layers.toml)")
     ap.add_argument("--heldout", type=int, default=4, help="held-out shapes per kernel")
     ap.add_argument("--refine", type=int, default=10, help="annealing evals per training case (training targets)")
     ap.add_argument("--refine-heldout", type=int, default=30,
@@ -513,7 +539,7 @@ def cmd_collect(a: argparse.Namespace) -> int:
         get_spec(k)  # BadInput names the bundled kernels
     collect(Path(a.out), a.kernel or [], a.isa or list(ISAS), a.configs, a.shapes, a.heldout, a.refine,
             a.refine_heldout, a.min_time, a.max_reps, a.seed, a.dry_run, a.extra_shapes,
-            a.confirm_top, a.confirm_rounds)
+            a.confirm_top, a.confirm_rounds, a.arch_layers)
     return 0
 
 

@@ -103,3 +103,31 @@ def send_retunes(send: Send, r: Retune) -> list[dict]:
         send(device, command)
         out.append({"device": device, **command, "status": "sent"})
     return out
+
+
+MAX_REASON = 500
+
+
+def rollout_reason(body: Any) -> str | None:
+    """The optional {"reason"} of a rollout pause, resume or abort (API body or form)."""
+    if not isinstance(body, dict):
+        raise BadQuery(f"body must be a JSON object, not {type(body).__name__}")
+    unknown = set(body) - {"reason"}
+    if unknown:
+        raise BadQuery(f"unknown field {sorted(unknown)[0]!r}; the only field is reason")
+    reason = body.get("reason")
+    if reason is None or reason == "":
+        return None
+    if not isinstance(reason, str) or len(reason) > MAX_REASON:
+        raise BadQuery(f"reason: text of at most {MAX_REASON} characters, not {reason!r:.80}")
+    return reason.strip() or None
+
+
+def retry_devices(body: Any) -> list[str] | None:
+    """The optional {"devices"} of a rollout retry (None: every failed device)."""
+    if not isinstance(body, dict):
+        raise BadQuery(f"body must be a JSON object, not {type(body).__name__}")
+    unknown = set(body) - {"devices"}
+    if unknown:
+        raise BadQuery(f"unknown field {sorted(unknown)[0]!r}; the only field is devices")
+    return _names(body, "devices") or None

@@ -4,6 +4,7 @@ also the source of the OpenAPI schema served at /api/v1/openapi.json, so a route
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,9 +16,11 @@ from starlette.routing import Route
 from edgetune import __version__
 from edgetune.errors import BadInput, EdgetuneError
 from fleet.web import views
-from fleet.web.actions import retune_request, send_retunes
-from fleet.web.app import Handler, api_error, fleet_of, guarded
+from fleet import rollout_store as rs
+from fleet.web.actions import retry_devices, retune_request, rollout_reason, send_retunes
+from fleet.web.app import Handler, api_error, fleet_of, guarded, with_arg
 from fleet.web.auth import COOKIE, CSRF_HEADER, Principal
+from fleet.web.views import BadQuery
 
 PREFIX = "/api/v1"
 MAX_BODY = 1 << 20
@@ -133,6 +136,49 @@ async def retune_many(request: Request, p: Principal) -> Response:
     return await _retune(request, None)
 
 
+async def rollouts(request: Request, p: Principal) -> Response:
+    return _json(await fleet_of(request).read(views.rollouts))
+
+
+async def rollout(request: Request, p: Principal) -> Response:
+    rid = request.path_params["rollout"]
+    found = await fleet_of(request).read(views.rollout, rid)
+    return _json(found) if found else api_error(404, f"no rollout {rid!r}; GET {PREFIX}/rollouts lists them")
+
+
+async def _rollout_action(request: Request, p: Principal, action: str) -> Response:
+    rid = request.path_params["rollout"]
+    try:
+        body = await _body(request) if await request.body() else {}
+        reason = rollout_reason(body)
+        done = await fleet_of(request).read(rs.act, rid, action, time.time(), p.name, reason)
+    except BadQuery as e:
+        return api_error(400, str(e))
+    except BadInput as e:  # the rollout's state does not allow it
+        return api_error(409, str(e))
+    if done is None:
+        return api_error(404, f"no rollout {rid!r}; nothing changed")
+    return _json(await fleet_of(request).read(views.rollout, rid))
+
+
+pause_rollout, resume_rollout, abort_rollout = (with_arg(_rollout_action, a, f"{a}_rollout")
+                                                for a in ("pause", "resume", "abort"))
+
+
+async def retry_rollout(request: Request, p: Principal) -> Response:
+    rid = request.path_params["rollout"]
+    try:
+        devices = retry_devices(await _body(request) if await request.body() else {})
+        if await fleet_of(request).read(rs.rollout, rid) is None:
+            return api_error(404, f"no rollout {rid!r}; nothing changed")
+        retried = await fleet_of(request).read(rs.retry, rid, devices, time.time(), p.name)
+    except BadQuery as e:
+        return api_error(400, str(e))
+    except BadInput as e:
+        return api_error(409, str(e))
+    return _json({"retried": retried, "rollout": await fleet_of(request).read(views.rollout, rid)})
+
+
 async def openapi(request: Request, p: Principal) -> Response:
     return JSONResponse(schema())
 
@@ -151,6 +197,10 @@ RETUNE_RESPONSES = {"202": "sent: the command ids to follow under .../commands/{
                     "400": "bad body (the error names the field)", "404": "unknown device; nothing sent",
                     "502": "the broker did not take the command"}
 DEVICE_404 = {"404": "no such device"}
+ROLLOUT_ACTION_BODY = {"type": "object", "additionalProperties": False, "properties": {
+    "reason": {"type": "string", "maxLength": 500, "description": "why (kept in the rollout's events)"}}}
+ROLLOUT_ACTION_RESPONSES = {"200": "done: the rollout afterwards", "400": "bad body", "404": "no such rollout",
+                            "409": "the rollout's state does not allow it (e.g. resuming an active one)"}
 
 API: list[ApiRoute] = [
     ApiRoute("/overview", "GET", "viewer", overview, "device counts by status, breakdowns by version, model, fw, "
@@ -174,6 +224,24 @@ API: list[ApiRoute] = [
     ApiRoute("/retune", "POST", "operator", retune_many, "ask several devices to retune",
              body={"type": "object", "required": ["devices"], "additionalProperties": False,
                    "properties": {"devices": _NAMES, **RETUNE_FIELDS}}, responses=RETUNE_RESPONSES),
+    ApiRoute("/rollouts", "GET", "viewer", rollouts, "model rollouts, newest first, with per-phase progress (devices "
+             "pending, downloading, verifying, evaluating, committed, rolled back, failed with reasons); the "
+             "model registry"),
+    ApiRoute("/rollouts/{rollout}", "GET", "viewer", rollout, "one rollout: phases, every target device with its "
+             "state and reason, events, the signed manifests", responses={"404": "no such rollout"}),
+    ApiRoute("/rollouts/{rollout}/pause", "POST", "operator", pause_rollout, "stop releasing further phases "
+             "(devices already sent the release continue)", body=ROLLOUT_ACTION_BODY,
+             responses=ROLLOUT_ACTION_RESPONSES),
+    ApiRoute("/rollouts/{rollout}/resume", "POST", "operator", resume_rollout, "continue a paused rollout; the "
+             "phase dwells again from now", body=ROLLOUT_ACTION_BODY, responses=ROLLOUT_ACTION_RESPONSES),
+    ApiRoute("/rollouts/{rollout}/abort", "POST", "operator", abort_rollout, "stop the rollout and send the signed "
+             "rollback to every device that was sent the release", body=ROLLOUT_ACTION_BODY,
+             responses=ROLLOUT_ACTION_RESPONSES),
+    ApiRoute("/rollouts/{rollout}/retry", "POST", "operator", retry_rollout, "send the release again (under the "
+             "next attempt's rollout_id) to the devices whose download or staging failed: all, or `devices`",
+             body={"type": "object", "additionalProperties": False, "properties": {"devices": _NAMES}},
+             responses={"200": "the devices retried (none: nothing had failed) and the rollout",
+                        "400": "bad body", "404": "no such rollout", "409": "the rollout is completed or aborted"}),
     ApiRoute("/speedups", "GET", "viewer", speedups, "per kernel/workload, the speedups across devices"),
     ApiRoute("/me", "GET", "viewer", me, "who the credentials belong to"),
     ApiRoute("/openapi.json", "GET", None, openapi, "this schema"),
@@ -187,11 +255,12 @@ def routes() -> list[Route]:
 def schema() -> dict:
     paths: dict[str, dict] = {}
     for r in API:
+        ok = "200" if r.method == "GET" or "200" in r.responses else "202"
         op: dict[str, Any] = {"summary": r.summary, "operationId": r.handler.__name__, "responses": {
-            "200" if r.method == "GET" else "202": {"description": "ok"},
+            ok: {"description": r.responses.get(ok, "ok")},
             **({"401": {"description": "no or unknown token"}, "403": {"description": f"needs the {r.role} role"}}
                if r.role else {}),
-            **{k: {"description": v} for k, v in r.responses.items() if k != "202"}}}
+            **{k: {"description": v} for k, v in r.responses.items() if k != ok}}}
         if r.role:
             op["security"] = [{"bearer": []}, {"session": []}]
         params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}

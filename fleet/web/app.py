@@ -67,6 +67,15 @@ class Fleet:
 Handler = Callable[[Request, Principal], Awaitable[Response]]
 
 
+def with_arg(fn: Callable[[Request, Principal, Any], Awaitable[Response]], arg: Any, name: str) -> Handler:
+    """A handler calling fn(request, principal, arg), named `name` (routes and the OpenAPI operationId use it)."""
+    async def handler(request: Request, p: Principal) -> Response:
+        return await fn(request, p, arg)
+
+    handler.__name__ = name
+    return handler
+
+
 def fleet_of(request: Request) -> Fleet:
     return request.app.state.fleet
 

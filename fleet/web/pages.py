@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.parse
 
 from starlette.concurrency import run_in_threadpool
@@ -10,9 +11,11 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from edgetune.errors import BadInput, EdgetuneError
+from fleet import rollout_store as rs
+from fleet.rollout import BUCKETS
 from fleet.web import views
-from fleet.web.actions import form_body, retune_request, send_retunes
-from fleet.web.app import fleet_of, guarded, page_error, render
+from fleet.web.actions import form_body, retune_request, rollout_reason, send_retunes
+from fleet.web.app import fleet_of, guarded, page_error, render, with_arg
 from fleet.web.auth import Principal
 
 
@@ -71,6 +74,45 @@ async def retune_many(request: Request, p: Principal) -> Response:
     return await _retune(request, p, None)
 
 
+async def rollouts(request: Request, p: Principal) -> Response:
+    r = await fleet_of(request).read(views.rollouts)
+    return render(request, p, "rollouts.html", {"r": r, "buckets": BUCKETS})
+
+
+async def rollout(request: Request, p: Principal) -> Response:
+    rid = request.path_params["rollout"]
+    r = await fleet_of(request).read(views.rollout, rid)
+    if r is None:
+        return page_error(request, p, 404, f"No rollout {rid!r} in the fleet DB.")
+    return render(request, p, "rollout.html", {"r": r, "buckets": BUCKETS})
+
+
+async def _rollout_action(request: Request, p: Principal, action: str) -> Response:
+    rid = request.path_params["rollout"]
+    form = await request.form()
+    try:
+        reason = rollout_reason({"reason": form.get("reason")} if form.get("reason") else {})
+        done = await fleet_of(request).read(rs.act, rid, action, time.time(), p.name, reason)
+    except BadInput as e:
+        return page_error(request, p, 409, str(e))
+    if done is None:
+        return page_error(request, p, 404, f"No rollout {rid!r} in the fleet DB; nothing changed.")
+    return RedirectResponse(f"/rollouts/{urllib.parse.quote(rid, safe='')}", 303)
+
+
+async def retry_rollout(request: Request, p: Principal) -> Response:
+    rid = request.path_params["rollout"]
+    try:
+        await fleet_of(request).read(rs.retry, rid, None, time.time(), p.name)
+    except BadInput as e:
+        return page_error(request, p, 409, str(e))
+    return RedirectResponse(f"/rollouts/{urllib.parse.quote(rid, safe='')}", 303)
+
+
+pause_rollout, resume_rollout, abort_rollout = (with_arg(_rollout_action, a, f"{a}_rollout")
+                                                for a in ("pause", "resume", "abort"))
+
+
 def _local(target: str | None) -> str:
     """Only a path on this server: a login link must not bounce the browser elsewhere."""
     return target if target and target.startswith("/") and not target.startswith("//") else "/"
@@ -108,6 +150,12 @@ def routes() -> list[Route]:
         Route("/devices/{device}", page("viewer", device)),
         Route("/devices/{device}/retune", page("operator", retune_one), methods=["POST"]),
         Route("/speedups", page("viewer", speedups)),
+        Route("/rollouts", page("viewer", rollouts)),
+        Route("/rollouts/{rollout}", page("viewer", rollout)),
+        Route("/rollouts/{rollout}/pause", page("operator", pause_rollout), methods=["POST"]),
+        Route("/rollouts/{rollout}/resume", page("operator", resume_rollout), methods=["POST"]),
+        Route("/rollouts/{rollout}/abort", page("operator", abort_rollout), methods=["POST"]),
+        Route("/rollouts/{rollout}/retry", page("operator", retry_rollout), methods=["POST"]),
         Route("/login", page(None, login_form)),
         Route("/login", page(None, login), methods=["POST"]),
         Route("/logout", page(None, logout), methods=["POST"]),

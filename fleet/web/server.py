@@ -23,7 +23,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send as AsgiSend
 
 from fleet.store import FleetStore
-from fleet.web import api, filters, pages
+from fleet.web import api, filters, pages, releases
 from fleet.web.actions import Send
 from fleet.web.app import HERE, Fleet, ThreadStores
 from fleet.web.auth import Auth
@@ -60,7 +60,8 @@ def _templates() -> jinja2.Environment:
 def create_app(open_store: Callable[[], FleetStore], auth: Auth, limits: Limits, send: Send,
                health: Callable[[], dict] = lambda: {}) -> ASGIApp:
     stores = ThreadStores(open_store)
-    routes = [*pages.routes(), *api.routes(), Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    routes = [*pages.routes(), *api.routes(), *releases.routes(),
+              Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
               Route("/healthz", lambda request: JSONResponse({"ok": True, "time": time.time(), **health()}))]
 
     @contextlib.asynccontextmanager

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from edgetune.errors import BadInput
+from fleet import rollout_store as rs
+from fleet.rollout import bucket, rollout_summary
 from fleet.store import FleetStore, geomean
 
 FILTERS = ("status", "version", "model_version", "fw_fingerprint", "cpu_model", "isa")
@@ -87,7 +89,8 @@ def device_detail(store: FleetStore, lim: Limits, device: str) -> dict | None:
     info = (store.device(device) or {}).get("info") or {}
     hw = next((info[k] for k in ("hw", "hardware", "descriptor") if isinstance(info.get(k), dict)), {})
     return {**summary, "descriptor": hw, "info": info, "active": store.active_config_rows(device),
-            "status_history": store.status_history(device)[-50:][::-1], "commands": commands(store, device)}
+            "status_history": store.status_history(device)[-50:][::-1], "commands": commands(store, device),
+            "model_state": rs.model_state(store, device)}
 
 
 def commands(store: FleetStore, device: str) -> list[dict]:
@@ -140,3 +143,25 @@ def strip_scale(rows: list[dict]) -> dict[str, Any]:
     if lo == hi:
         hi += 1
     return {"lo": lo, "hi": hi, "ticks": [2.0 ** e for e in range(lo, hi + 1)]}
+
+
+# ---- model rollouts ----------------------------------------------------------------------------------------------
+
+def rollouts(store: FleetStore) -> dict:
+    """Every rollout, newest first, with its progress per phase; and the model registry."""
+    return {"rollouts": [rollout_summary(r, rs.targets(store, r["id"])) for r in rs.rollouts(store)],
+            "models": [{k: v for k, v in m.items() if k != "card"} for m in rs.models(store)],
+            "baseline": rs.baseline_version(store)}
+
+
+def rollout(store: FleetStore, rollout_id: str) -> dict | None:
+    """One rollout: its progress per phase, every target with its state and reason, the events, the manifests."""
+    r = rs.rollout(store, rollout_id)
+    if r is None:
+        return None
+    targets = rs.targets(store, rollout_id)
+    labels = [f"{p:g}%" for p in r["phases"]]
+    devices = [{**t, "phase_label": labels[t["phase"]], "bucket": bucket(t), "released": t["phase"] <= r["phase"]}
+               for t in targets]
+    return {**rollout_summary(r, targets), "devices": devices, "events": rs.events(store, rollout_id)[::-1],
+            "manifest": r["manifest"], "rollback_manifest": r["rollback_manifest"]}

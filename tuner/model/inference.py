@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass, field
@@ -23,9 +24,11 @@ import numpy as np
 
 from edgetune.errors import EdgetuneError
 
+log = logging.getLogger(__name__)
+
 MODEL_DIR = Path(__file__).resolve().parents[2] / "quantized_models"
 MODEL_NAME = "edgetune-tuner"
-PROMPT_FORMAT = "edgetune-prompt-3"
+PROMPT_FORMAT = "edgetune-prompt-4"
 
 
 class ModelError(EdgetuneError):
@@ -37,7 +40,11 @@ class PromptFormatError(ModelError):
 
 
 def default_model_path() -> Path:
-    """$EDGETUNE_MODEL, else the model the daemon committed (tuner.model.slots), else the bundled one."""
+    """$EDGETUNE_MODEL, else the model the daemon committed (tuner.model.slots), else the bundled one.
+
+    A committed model this edgetune cannot prompt (it speaks an older prompt format: the device's edgetune was
+    upgraded under it) gives way to the bundled one, which always matches, rather than turning every tune into the
+    anneal fallback until the fleet sends a new model."""
     env = os.environ.get("EDGETUNE_MODEL")
     if env:
         return Path(env)
@@ -45,7 +52,14 @@ def default_model_path() -> Path:
 
     committed = committed_model()
     if committed is not None:
-        return committed
+        try:
+            check_gguf(committed, hash_file=False)
+        except PromptFormatError as e:
+            log.warning("%s: using the bundled tuner model", e)
+        except ModelError:
+            return committed  # damaged: the tuner's checks name the file (tuner.model.slots repairs it at start)
+        else:
+            return committed
     return bundled_model_path()
 
 

@@ -23,7 +23,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -52,6 +52,16 @@ class _Partial(dict):
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
+
+
+def unknown_knobs(known: Mapping[str, Any] | None, space: SearchSpace) -> dict[str, Any]:
+    """Knobs of `space` a model trained on the space `known` (knob -> values, from its GGUF) never saw, each with
+    the value it takes: the space's default. Such a model still proposes for the knobs it knows (a kernel that
+    gained a knob after the model was trained, until the next model), and the prompt and its history carry only
+    those; values a knob gained or lost need nothing (the grammar is the current space's)."""
+    if not known:
+        return {}
+    return {p.name: space.default.get(p.name, p.values[0]) for p in space.params if p.name not in known}
 
 
 Pending = tuple[tuple[int, "str | None"], ...]  # (constraint index, the unassigned knob its evaluation stopped at)
@@ -165,17 +175,33 @@ class Proposer:
         return self._free.pop() if self._free else None
 
     def propose(self, kernel: str, space: SearchSpace, k: int = 5, *,
-                extra: Callable[[Config], bool | None] | None = None) -> ProposeResult:
+                extra: Callable[[Config], bool | None] | None = None,
+                history: Sequence[tuple[Config, float]] = (), exclude: Collection[str] = (),
+                bias: Mapping[str, Mapping[Any, float]] | None = None, prompt_hw: Any = None,
+                unknown_values: Mapping[str, Any] | None = None) -> ProposeResult:
         """Top-k distinct valid configs, best first, each with its log-probability under the model.
 
         `extra` is an additional predicate (e.g. "config is in the replay table"); it receives a partial config
-        that raises KeyError for unassigned knobs, like the space's own constraints.
+        that raises KeyError for unassigned knobs, like the space's own constraints. `history` is what the session
+        measured so far, (config, ms) in order, which the prompt carries; configs whose key is in `exclude` are
+        never returned (the search passes over them to the next best). `bias` adds a log-weight (<= 0) to knob
+        values, e.g. evidence from measurements; non-positive keeps the best-first search exact, since a
+        partial config's score still only falls as fields are added. `prompt_hw` describes the device to the model
+        instead of `space.hw` (which the constraints keep reading): how bench/unseen_hw.py asks what the model
+        would propose were the device the nearest one its data knows. A knob the model was trained without
+        (`unknown_knobs`) takes its value from `unknown_values` (e.g. the incumbent's), else the default.
         """
         t0 = time.perf_counter()
         m = self.m
-        fields = [(name, [(v, m.tokenize(field_text(name, v))) for v in values])
+        if bias and any(b > 0 for vs in bias.values() for b in vs.values()):
+            raise ValueError("bias must be <= 0 (a positive one would break the exact best-first search)")
+        self._bias = bias or {}
+        unknown = unknown_knobs(self.m.info.spaces().get(kernel), space)
+        unknown.update({k: v for k, v in (unknown_values or {}).items() if k in unknown})
+        fields = [(name, [(v, [] if name in unknown else m.tokenize(field_text(name, v))) for v in values])
                   for name, values in grammar_values(space)]
-        prompt = prompt_text(kernel, space.shape, space.hw)
+        prompt = prompt_text(kernel, space.shape, space.hw if prompt_hw is None else prompt_hw, history,
+                             [n for n in space.names if n not in unknown])
         ptoks = [m.bos] + m.tokenize(prompt)
         m.clear()
         b = _Batch()
@@ -193,13 +219,14 @@ class Proposer:
         seen: set[str] = set()
         expansions = decodes = 0
         nf = len(fields)
-        names = [n for n, _ in fields]
+        names = self._names = [n for n, _ in fields]
         while heap and len(out) < k and expansions < self.max_expansions:
             if len(heap[0][2].values) == nf:  # a complete config at the top of the heap: exact next-best
                 node = heapq.heappop(heap)[2]
                 cfg = dict(zip(names, node.values))
                 key = config_key(cfg)
-                if key not in seen and space.is_valid(cfg) and (extra is None or extra(_Partial(cfg)) is not False):
+                if key not in seen and key not in exclude and space.is_valid(cfg) \
+                        and (extra is None or extra(_Partial(cfg)) is not False):
                     seen.add(key)
                     out.append(Proposal(cfg, -node.neg))
                 continue
@@ -208,8 +235,18 @@ class Proposer:
             while heap and len(batch) < per and len(heap[0][2].values) < nf:
                 node = heapq.heappop(heap)[2]
                 cands = candidates(space, fields, names, node, extra)
+                name = names[len(node.values)]
+                if cands and name in unknown:  # a knob the model never saw: its default (else the first allowed)
+                    cands = [next((c for c in cands if c[0] == unknown[name]), cands[0])]
                 if len(cands) > 1:
                     batch.append((node, cands))
+                elif cands and not cands[0][1] and node.lp is not None:
+                    # assigned without a token: the child is the node's KV state and logits, and takes them over
+                    child = _Node(node.neg, node.values + (cands[0][0],), node.tokens, node.own, node.parent, node.seq,
+                                  node.lp, cands[0][2])
+                    if node.seq is not None and self._owners.get(node.seq) is node:
+                        self._owners[node.seq] = child
+                    heapq.heappush(heap, (node.neg, next(tie), child))
                 elif cands:  # one admissible value has probability 1 after renormalisation: nothing to decode
                     v, toks, left = cands[0]
                     parent, own = (node.parent, node.own + len(toks)) if node.lp is None else (node, len(toks))
@@ -274,8 +311,9 @@ class Proposer:
                     self._free.append(t)
             top = max(sc)
             base = node.neg + top + math.log(sum(math.exp(x - top) for x in sc))
+            field_bias = self._bias.get(self._names[len(node.values)], {}) if self._bias else {}
             for (v, toks, left), x in zip(cands, sc):
-                neg = base - x
+                neg = base - x - field_bias.get(v, 0.0)
                 heapq.heappush(heap, (neg, next(tie), _Node(neg, node.values + (v,), node.tokens + toks, len(toks),
                                                              node, pending=left)))
         return 1 if b.tokens else 0

@@ -1,16 +1,24 @@
-"""Strategy `llm`: the tuner model proposes, measurement decides, local search polishes.
+"""Strategy `llm`: the tuner model proposes, measurements steer it, and it stops when the neighbourhood says done.
 
-1. The first `ask` returns the model's top-K configs (default 5; K is widened when the model is unsure, i.e. its
-   top-K probability mass is flat) so the session compiles them as one batch and measures them; the session then
-   re-measures its finalists interleaved and keeps the best (the default is always a finalist).
-2. When the proposals measure far apart (the model's ranking disagrees with the machine) or all failed, the next
-   `ask` widens to the model's next K proposals once.
-3. The rest of the budget goes to local refinement around the winner: an `Anneal` seeded at the best measured
-   config, which stops after `refine_patience` evaluations without an improvement beyond the noise threshold.
+1. First batch (`k`, default 4): the model's top configs, hedged where it is unsure. From its exact top-(4k), the
+   knobs whose probability mass is split (threads 1 vs 2, vector width, tile shape: whichever the model doubts
+   for this prompt) each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch
+   (a top-5 that all said threads=2 on a host where two threads lose was issue #24's worst case).
+2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
+   relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
+   a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
+   that only ever measured slow is down-weighted). The batch holds the model's best unmeasured config under that
+   evidence, and its best unmeasured one-knob neighbour of the incumbent (the model as acquisition function over
+   a local step, as in LLM-seeded local search).
+3. It stops once `patience` evaluations in a row brought no gain beyond the noise (3%) and the incumbent's
+   neighbours the model ranks highest have been measured; a first batch that spread widely (the model's guesses
+   were far apart) doubles the patience, since the optimum may still be far.
 
-A missing, corrupt or incompatible model file is a warning naming the file; the strategy then is plain `anneal`
-(with a distinct version, so its results are keyed apart) and tuning completes. The model's version and
-sha256 are part of the strategy version, so results are keyed by the model that proposed them.
+A model trained before the kernel's knobs changed proposes the knobs it knows (the others at their defaults, which
+every other neighbour step then explores; tuner.model.proposer.unknown_knobs), with a version marked `mapped`. A
+missing, corrupt or incompatible model file is a warning naming the file; the strategy then is plain `anneal`
+(with a distinct version, so its results are keyed apart) and tuning completes. The model's version and sha256 are
+part of the strategy version, so results are keyed by the model that proposed them.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernels.measure import TIE_THRESHOLD, Measurement
-from kernels.space import Config, SearchSpace, config_key
+from kernels.space import Config, SearchSpace, config_key, table_predicate
 from tuner.strategies.anneal import Anneal
 from tuner.strategies.base import Strategy
 
@@ -30,11 +38,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STRATEGY_VERSION = "1"
-DEFAULT_K = 5
-UNSURE_TOP1_SHARE = 0.22  # top-1 holds under this share of the top-K mass: the model is unsure -> widen K
-DIVERSE_STEPS = 2  # hedged top-K: proposals differ from each other by at least this many knob steps
-FAR_APART = 1.5  # the model's first pick measures over 1.5x the best proposal: ranking is off -> widen once
+STRATEGY_VERSION = "2"
+DEFAULT_K = 4
+UNSURE = 0.85  # a knob whose leading value holds under this share of the top configs' mass is hedged
+EVIDENCE_WEIGHT = 1.5  # log-weight per log of a value's best time over the best of all
+PATIENCE = 4
+WIDE_SPREAD = 2.0  # the first batch's slowest over fastest: beyond this, patience doubles
 
 _PROPOSERS: dict[str, Any] = {}  # path -> Proposer (or the ModelError it raised): load a model once per process
 
@@ -61,35 +70,88 @@ def load_proposer(path: Path | None = None):
     return hit
 
 
+def hedged(ranked: list[tuple[Config, float]], k: int, space: SearchSpace) -> list[Config]:
+    """k configs from the model's ranked (config, logprob) list: its top pick, then for each knob the model is
+    unsure about (most unsure first) the best config holding that knob's runner-up value, then the rest in rank
+    order, preferring configs two or more knob steps from those taken."""
+    if not ranked:
+        return []
+    z = max(lp for _, lp in ranked)
+    mass = [(c, math.exp(lp - z)) for c, lp in ranked]
+    total = sum(w for _, w in mass)
+    top = ranked[0][0]
+    unsure = []
+    for p in space.params:
+        share: dict[Any, float] = {}
+        for c, w in mass:
+            share[c[p.name]] = share.get(c[p.name], 0.0) + w / total
+        lead = share.get(top[p.name], 0.0)
+        runner = max((v for v in share if v != top[p.name]), key=lambda v: share[v], default=None)
+        if lead < UNSURE and runner is not None:
+            unsure.append((lead, p.name, runner))
+    picked = [top]
+    for _, name, value in sorted(unsure, key=lambda u: u[0]):
+        if len(picked) >= k:
+            break
+        alt = next((c for c, _ in ranked if c[name] == value and c not in picked), None)
+        if alt is not None:
+            picked.append(alt)
+    for min_steps in (2, 1):
+        for c, _ in ranked:
+            if len(picked) >= k:
+                return picked
+            if c not in picked and all(space.distance(c, p) >= min_steps for p in picked):
+                picked.append(c)
+    return picked
+
+
+def evidence_bias(space: SearchSpace, history: list[tuple[Config, float]],
+                  weight: float = EVIDENCE_WEIGHT) -> dict[str, dict[Any, float]]:
+    """Knob -> value -> log-weight (<= 0): -weight * log(best time with the value / best time of all), for knobs
+    whose measured configs hold two or more values (a value never measured keeps weight 0)."""
+    if not history:
+        return {}
+    best = min(ms for _, ms in history)
+    out: dict[str, dict[Any, float]] = {}
+    for p in space.params:
+        by: dict[Any, float] = {}
+        for c, ms in history:
+            by[c[p.name]] = min(by.get(c[p.name], math.inf), ms)
+        if len(by) >= 2:
+            out[p.name] = {v: -weight * math.log(ms / best) for v, ms in by.items() if ms > best}
+    return {k: v for k, v in out.items() if v}
+
+
 class LLMStrategy(Strategy):
     """Without a `kernel` (the spec the space belongs to) the model has nothing to be prompted with: plain anneal."""
 
     name = "llm"
 
     def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: KernelSpec | None = None, k: int = DEFAULT_K,
-                 model_path: Path | None = None, proposer: Any = None, refine_patience: int = 2, pool: int = 1):
+                 model_path: Path | None = None, proposer: Any = None, patience: int = PATIENCE,
+                 evidence: float = EVIDENCE_WEIGHT, history: bool = True):
         super().__init__(space, seed, kernel=kernel)
         self.k = k
-        self.pool = pool  # the hedged top-K is drawn from the model's exact top-(k*pool)
-        self.refine_patience = refine_patience
+        self.patience = patience
+        self.evidence = evidence
+        self.use_history = history  # prompt the model with the measurements (False: evidence bias alone)
         self.fallback: Anneal | None = None
         self.proposer = None
-        self.phase = "propose"
-        self.proposals: list[Config] = []
-        self.logprobs: dict[str, float] = {}
-        self.results: dict[str, Measurement] = {}  # measurements of the model's proposals
-        self.widened = False
-        self.refiner: Anneal | None = None
+        self.first: list[Config] = []
+        self.history: list[tuple[Config, float]] = []  # ok measurements, in the order told
         self.since_best = 0
+        self.spread: float | None = None
         self.latency_ms: float | None = None
         self.model_version: str | None = None  # the proposing model's version; None when it fell back
+        self.mapped: list[str] | None = None  # knobs the model was trained without (None: it knows this space)
         try:
             from tuner.model.inference import ModelError
 
             try:
                 self.proposer = proposer or load_proposer(model_path)
                 self._check_compatible()
-                self.version = f"{STRATEGY_VERSION}-{self.proposer.version}-{self.proposer.m.info.sha256[:12]}"
+                self.version = f"{STRATEGY_VERSION}-{self.proposer.version}-{self.proposer.m.info.sha256[:12]}" \
+                    + ("-mapped" if self.mapped is not None else "")
                 self.model_version = self.proposer.m.info.model_version
             except ModelError as e:
                 self._fall_back(str(e))
@@ -99,6 +161,7 @@ class LLMStrategy(Strategy):
     def _fall_back(self, why: str) -> None:
         log.warning("%s; strategy llm falls back to anneal", why)
         self.fallback = Anneal(self.space, self.rng.randrange(1 << 30))
+        self.fallback.seen = set(self.seen)
         self.version = f"{STRATEGY_VERSION}-anneal-fallback"
         self.proposer = None
 
@@ -113,100 +176,94 @@ class LLMStrategy(Strategy):
         mine = {p.name: [str(v) for v in p.values] for p in self.space.params}
         if known is None:
             raise ModelError(f"tuner model {path} is incompatible: it was not trained on kernel {name}")
-        if known != mine:
-            raise ModelError(f"tuner model {path} is incompatible: kernel {name}'s knobs changed since it "
-                             "was trained")
+        if not set(known) & set(mine):
+            raise ModelError(f"tuner model {path} is incompatible: it knows none of kernel {name}'s knobs")
+        if known != mine:  # an older model for a kernel whose knobs changed: it proposes the knobs it knows
+            from tuner.model.proposer import unknown_knobs
 
-    # ---- ask / tell ------------------------------------------------------------------------------------------
+            self.mapped = sorted(unknown_knobs(known, self.space))
+            log.info("tuner model %s was trained before kernel %s's knobs changed: it proposes the knobs it knows "
+                     "(%s at their defaults, then searched locally)", path, name, ", ".join(self.mapped) or "none new")
 
-    def _propose(self, k: int) -> list[Config]:
+    # ---- the model ---------------------------------------------------------------------------------------
+
+    def _propose(self, k: int, **kw) -> list[tuple[Config, float]]:
+        """The model's top-k (config, logprob), conditioned on the measurements so far; [] after a fallback."""
         from tuner.model.inference import ModelError
 
+        if self.mapped and self.best is not None:
+            kw.setdefault("unknown_values", {k: self.best[1][k] for k in self.mapped})
+        if self.history:
+            kw.setdefault("bias", evidence_bias(self.space, self.history, self.evidence))
+            if self.use_history:
+                kw.setdefault("history", self.history)
         try:
-            res = self.proposer.propose(self.kernel.name, self.space, k)
+            res = self.proposer.propose(self.kernel.name, self.space, k, exclude=self.seen, **kw)
         except ModelError as e:
             self._fall_back(f"tuner model {self.proposer.m.path} failed while proposing: {e}")
             return []
-        self.latency_ms = res.latency_ms if self.latency_ms is None else self.latency_ms + res.latency_ms
-        for p in res.proposals:
-            self.logprobs[config_key(p.config)] = p.logprob
-        return [p.config for p in res.proposals]
+        self.latency_ms = res.latency_ms + (self.latency_ms or 0.0)
+        return [(p.config, p.logprob) for p in res.proposals]
 
-    def _diverse(self, k: int) -> list[Config]:
-        """The model's top-k, hedged: walk its exact top-(pool) list in log-prob order and take configs at least
-        DIVERSE_STEPS knob steps from every one already taken (near-duplicates that differ in one minor knob
-        would share one fate), filling up in log-prob order when that runs short."""
-        ranked = self._propose(k * self.pool)
-        picked: list[Config] = []
-        for c in ranked:
-            if len(picked) == k:
-                break
-            if all(self.space.distance(c, p) >= DIVERSE_STEPS for p in picked):
-                picked.append(c)
-        for c in ranked:
-            if len(picked) == k:
-                break
-            if c not in picked:
-                picked.append(c)
-        return picked
+    def _local(self) -> Config | None:
+        """The model's best unmeasured one-knob neighbour of the incumbent. A knob the model was trained without
+        (`mapped`) it cannot rank: every other step takes an unmeasured neighbour in such a knob instead."""
+        if self.best is None:
+            return None
+        nbrs = [c for c in self.space.neighbours(self.best[1]) if config_key(c) not in self.seen]
+        if self.mapped:
+            new = [c for c in nbrs if any(c[k] != self.best[1][k] for k in self.mapped)]
+            if new and len(self.history) % 2 == 0:
+                return self.rng.choice(new)
+            nbrs = [c for c in nbrs if c not in new]
+        if not nbrs:
+            return None
+        got = self._propose(1, extra=table_predicate(self.space.names, nbrs))
+        return got[0][0] if got else None
+
+    # ---- ask / tell ----------------------------------------------------------------------------------------
 
     def ask(self, n: int) -> list[Config]:
         if self.fallback is not None:
             return self.fallback.ask(n)
-        if self.phase == "propose":
-            self.phase = "check"
-            k = self.k
-            cfgs = self._diverse(k) if self.pool > 1 else self._propose(k)
+        if not self.first:
+            self.first = hedged(self._propose(4 * self.k), self.k, self.space)
+            if self.first:
+                return list(self.first)
             if self.fallback is not None:
                 return self.fallback.ask(n)
-            ps = [math.exp(self.logprobs[config_key(c)]) for c in cfgs]
-            if ps and ps[0] / sum(ps) < UNSURE_TOP1_SHARE and k == self.k:
-                cfgs = self._diverse(2 * k) if self.pool > 1 else self._propose(2 * k)  # flat: widen K up front
-                self.widened = True
-            self.proposals = self._fresh(cfgs, len(cfgs))
-            if self.proposals:
-                return list(self.proposals)
-            self.phase = "refine"  # the model had nothing valid: pure local search
-        if self.phase == "check":
-            self.phase = "refine"
-            if not self.widened and self._far_apart():
-                self.widened = True
-                more = self._fresh(self._propose(3 * self.k), self.k)
-                if more:
-                    self.proposals = self.proposals + more
-                    return list(more)
-        return self._refine(n)
+        if self._converged():
+            return []
+        out: list[Config] = []
+        for c, _ in self._propose(max(1, n - 1)):
+            out.append(c)
+        local = self._local() if n > 1 else None
+        if local is not None and config_key(local) not in {config_key(c) for c in out}:
+            out = out[:n - 1] + [local]
+        if self.fallback is not None:  # the model failed mid-session
+            return self.fallback.ask(n)
+        if not out:  # the model has nothing unmeasured left that the constraints allow: plain local search
+            self.fallback = Anneal(self.space, self.rng.randrange(1 << 30), t0=0.02)
+            self.fallback.seen, self.fallback.best = set(self.seen), self.best
+            self.fallback.current = self.best
+            return self.fallback.ask(n)
+        return out[:n]
 
-    def _far_apart(self) -> bool:
-        ok = [self.results[config_key(c)] for c in self.proposals if self.results.get(config_key(c), None)]
-        ok = [m for m in ok if m.ok]
-        if not ok:
-            return True
-        first = self.results.get(config_key(self.proposals[0]))
-        best = min(m.value for m in ok)
-        return first is None or not first.ok or first.value > FAR_APART * best
-
-    def _refine(self, n: int) -> list[Config]:
-        if self.refiner is None:
-            self.refiner = Anneal(self.space, self.rng.randrange(1 << 30), t0=0.02)
-            self.refiner.seen = set(self.seen)
-            if self.best is not None:
-                self.refiner.best = self.best
-                self.refiner.current = self.best
-            self.since_best = 0
-        if self.since_best >= self.refine_patience:
-            return []  # converged: stop well before the budget, the session re-measures the finalists
-        return self.refiner.ask(n)
+    def _converged(self) -> bool:
+        wide = self.spread is not None and self.spread > WIDE_SPREAD
+        return self.since_best >= self.patience * (2 if wide else 1)
 
     def tell(self, cfg: Config, m: Measurement) -> None:
         before = self.best[0] if self.best else None
         super().tell(cfg, m)
-        if config_key(cfg) in self.logprobs:  # only the model's proposals are compared (_far_apart)
-            self.results[config_key(cfg)] = m
         if self.fallback is not None:
             self.fallback.tell(cfg, m)
-            return
-        if self.refiner is not None:
-            self.refiner.tell(cfg, m)
-            improved = m.ok and before is not None and m.value < before * (1 - TIE_THRESHOLD)
-            self.since_best = 0 if improved else self.since_best + 1
+        if m.ok:
+            self.history.append((cfg, m.value))
+        improved = m.ok and (before is None or m.value < before * (1 - TIE_THRESHOLD))
+        self.since_best = 0 if improved else self.since_best + 1
+        firsts = {config_key(c) for c in self.first}
+        if self.spread is None and firsts and firsts <= self.seen:
+            ms = [v for c, v in self.history if config_key(c) in firsts]
+            self.spread = max(ms) / min(ms) if ms else None
+            self.since_best = 0  # patience counts from the end of the first batch

@@ -132,12 +132,33 @@ def load_collector(path: Path, cases: dict | None = None) -> dict[tuple, Case]:
     return cases
 
 
+_REAL_HELDOUT: set | None = None
+
+
+def is_real_heldout(kernel: str, shape: dict) -> bool:
+    """Whether (kernel, shape) is one of bench/real_layers.toml's held-out real layers, on any ISA or device."""
+    global _REAL_HELDOUT
+    if _REAL_HELDOUT is None:
+        from tuner.train.arch_layers import heldout_keys
+
+        _REAL_HELDOUT = heldout_keys()
+    try:
+        from tuner.train.arch_layers import shape_id
+
+        return shape_id(kernel, shape) in _REAL_HELDOUT
+    except (KeyError, TypeError):  # a kernel or dim this edgetune does not know is no held-out layer
+        return False
+
+
 def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: str, split: str, hw: dict,
                     cfg: dict, ok: bool, ms: float | None, phase: str = "", leaders: str | None = None) -> None:
     """Add one journal row. A confirmation row of other leaders than the case's current ones starts over: a case's
     leaders only change by more rows joining them, so the later confirmation is of the current leaders, and rounds
-    hours apart are not comparable."""
+    hours apart are not comparable. A held-out real layer (`is_real_heldout`) never becomes a case: a device's
+    records of one (the bench tunes them) must not leak into training."""
     key = case_key(kernel, isa, shape, hw)
+    if key not in cases and is_real_heldout(kernel, shape):
+        return
     c = cases.get(key)
     if c is None:
         c = cases[key] = Case(kernel, isa, dict(shape), workload, split, hw)
@@ -201,21 +222,41 @@ def split_cases(cases: dict[tuple, Case]) -> tuple[list[Case], list[Case]]:
     return train, held
 
 
-def training_examples(train: list[Case], top: int = 12, tau: float = 0.08) -> list[tuple[Case, dict, float]]:
-    """(case, config, weight): each case's `top` fastest configs, weighted by relative speed.
+def targets(case: Case, top: int, tau: float, exclude: set[str] = frozenset()) -> list[tuple[dict, float]]:
+    """(config, weight): the case's `top` fastest configs not in `exclude`, weighted by relative speed.
 
     weight ∝ exp(-(ms/best - 1)/tau), normalised per case, so every case counts the same and the model learns
     the ranking (a config 8% slower than the best gets e^-1 of its weight), not just the top-1.
     """
-    out = []
-    for c in train:
-        ranked = c.ranked()[:top]
-        if not ranked:
-            continue
-        best = ranked[0][1]
-        ws = [math.exp(-(ms / best - 1) / tau) for _, ms in ranked]
-        z = sum(ws)
-        out += [(c, cfg, w / z) for (cfg, _), w in zip(ranked, ws)]
+    ranked = [(cfg, ms) for cfg, ms in case.ranked() if config_key(cfg) not in exclude][:top]
+    if not ranked:
+        return []
+    best = ranked[0][1]
+    ws = [math.exp(-(ms / best - 1) / tau) for _, ms in ranked]
+    z = sum(ws)
+    return [(cfg, w / z) for (cfg, _), w in zip(ranked, ws)]
+
+
+def training_examples(train: list[Case], top: int = 12, tau: float = 0.08) -> list[tuple[Case, dict, float]]:
+    """(case, config, weight) over every training case (`targets`)."""
+    return [(c, cfg, w) for c in train for cfg, w in targets(c, top, tau)]
+
+
+def sample_history(case: Case, rng, size: int, top_pool: int = 16) -> list[tuple[dict, float]]:
+    """`size` distinct measured (config, ms) of a case, as a session's first measurements might be: each drawn from
+    the case's `top_pool` fastest with probability 1/2 (a model's proposals are mostly good ones), else from all its
+    measured configs. Times are the first-pass medians (one scale: the confirmation rounds ran at another speed)."""
+    table = case.table()
+    ranked = [config_key(cfg) for cfg, _ in case.ranked() if config_key(cfg) in table]
+    out: list[tuple[dict, float]] = []
+    keys: set[str] = set()
+    for _ in range(size * 8):
+        if len(out) >= min(size, len(ranked)):
+            break
+        k = ranked[rng.randrange(min(top_pool, len(ranked)))] if rng.random() < 0.5 else rng.choice(ranked)
+        if k not in keys:
+            keys.add(k)
+            out.append((case.configs[k], table[k]))
     return out
 
 

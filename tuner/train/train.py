@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from kernels.registry import all_specs
 from kernels.space import table_predicate
 from tuner.model.inference import MODEL_NAME, PROMPT_FORMAT
-from tuner.model.prompt import completion_text, prompt_text
+from kernels.space import config_key
+from tuner.model.prompt import HISTORY_MAX, completion_text, prompt_text
 from tuner.train import data as D
 from tuner.train.data import HwView as _HwView
 from tuner.train.gguf_export import quantize_q8_0, write_f16
@@ -63,6 +64,8 @@ class Recipe:
     seed: int = 0
     threads: int = 2
     hw_mix: float = 0.5  # share of training prompts whose unvaried descriptor fields are redrawn (hw_variants)
+    histories: int = 6  # measured histories drawn per training case (data.sample_history)
+    hist_mix: float = 0.5  # share of training prompts that carry one (the session's later proposals do)
 
 
 # Edge devices' descriptor values, for the fields the collection machine never varied (a sample of plausible
@@ -95,14 +98,24 @@ def spaces_meta() -> dict:
     return {n: {p.name: [str(v) for v in p.values] for p in s.params} for n, s in all_specs().items()}
 
 
-def build_corpus(train: list[D.Case], held: list[D.Case], variants: dict[int, list[dict]]) -> list[str]:
+def draw_histories(train: list[D.Case], n: int, seed: int) -> dict[int, list[list[tuple[dict, float]]]]:
+    """`n` measured histories per training case, 1 to HISTORY_MAX configs each (seeded)."""
+    rng = random.Random(f"histories-{seed}")
+    return {id(c): [D.sample_history(c, rng, rng.randint(1, HISTORY_MAX)) for _ in range(n)] for c in train}
+
+
+def build_corpus(train: list[D.Case], held: list[D.Case], variants: dict[int, list[dict]],
+                 histories: dict[int, list] | None = None) -> list[str]:
     """Tokenizer corpus: every prompt, under its case's own and redrawn descriptors (held-out prompts only carry
-    shape text, no config ranking), + completions."""
+    shape text, no config ranking), with its histories, + completions."""
     lines = []
     specs = all_specs()
     for c in train + held:
         for hw in [c.hw] + variants.get(id(c), []):
             lines.append(prompt_text(c.kernel, c.shape, hw))
+        names = [p.name for p in specs[c.kernel].params]
+        for h in (histories or {}).get(id(c), []):
+            lines.append(prompt_text(c.kernel, c.shape, c.hw, h, names))
     for c in train:
         names = [p.name for p in specs[c.kernel].params]
         for cfg, _ in c.ranked()[:24]:
@@ -112,11 +125,15 @@ def build_corpus(train: list[D.Case], held: list[D.Case], variants: dict[int, li
     return lines
 
 
-def encode_cases(sp, examples, variants: dict[int, list[dict]]) -> list[dict]:
+def encode_cases(sp, examples, variants: dict[int, list[dict]], histories: dict[int, list] | None = None,
+                 recipe: "Recipe | None" = None) -> list[dict]:
     """One packed item per case: the prompt once, then each of its top configs as a branch that sees the prompt
     and itself only (positions restart after the prompt), with the configs' weights. `prompts` holds the prompt
-    under the case's own descriptor first, then under each of its redrawn ones (`hw_variants`)."""
+    under the case's own descriptor first, then under each of its redrawn ones (`hw_variants`). `hist` holds the
+    case under each of its measured histories: (prompts as above with the history appended, the branches of its
+    top configs that the history has not measured)."""
     specs = all_specs()
+    r = recipe or Recipe()
     by_case: dict[int, list] = {}
     cases = {}
     for case, cfg, w in examples:
@@ -126,14 +143,24 @@ def encode_cases(sp, examples, variants: dict[int, list[dict]]) -> list[dict]:
     for cid, branches in by_case.items():
         case = cases[cid]
         names = [p.name for p in specs[case.kernel].params]
-        prompts = []
-        for hw in [case.hw] + variants.get(cid, []):
-            prompt = [sp.bos_id()] + sp.encode(prompt_text(case.kernel, case.shape, hw))
-            full = sp.encode(prompt_text(case.kernel, case.shape, hw) + completion_text(branches[0][0], names))
-            assert full[:len(prompt) - 1] == prompt[1:], "prompt/completion tokenisation is not context-free"
-            prompts.append(prompt)
-        items.append({"prompts": prompts,
-                      "branches": [(sp.encode(completion_text(cfg, names)) + [sp.eos_id()], w) for cfg, w in branches]})
+
+        def encoded(history: list, targets: list) -> tuple[list, list]:
+            prompts = []
+            for hw in [case.hw] + variants.get(cid, []):
+                text = prompt_text(case.kernel, case.shape, hw, history, names)
+                prompt = [sp.bos_id()] + sp.encode(text)
+                full = sp.encode(text + completion_text(targets[0][0], names))
+                assert full[:len(prompt) - 1] == prompt[1:], "prompt/completion tokenisation is not context-free"
+                prompts.append(prompt)
+            return prompts, [(sp.encode(completion_text(cfg, names)) + [sp.eos_id()], w) for cfg, w in targets]
+
+        prompts, encoded_branches = encoded([], branches)
+        hist = []
+        for h in (histories or {}).get(cid, []):
+            left = D.targets(case, r.top, r.tau, {config_key(c) for c, _ in h})
+            if left:
+                hist.append(encoded(h, left))
+        items.append({"prompts": prompts, "branches": encoded_branches, "hist": hist})
     return items
 
 
@@ -172,9 +199,11 @@ def pack(items: list[dict]) -> tuple[torch.Tensor, ...]:
 
 
 def train_model(items: list[dict], cfg: Config, *, steps: int, batch: int, lr: float, seed: int, hw_mix: float = 0.0,
-                log_every: int = 25, deadline_s: float | None = None) -> tuple[TinyLlama, list[float]]:
-    """AdamW over shuffled batches of cases; each case is trained under one of its redrawn descriptors with
-    probability `hw_mix`, else under its own."""
+                hist_mix: float = 0.0, log_every: int = 25, deadline_s: float | None = None
+                ) -> tuple[TinyLlama, list[float]]:
+    """AdamW over shuffled batches of cases; each case is trained under one of its measured histories with
+    probability `hist_mix` (else with none), and under one of its redrawn descriptors with probability `hw_mix`,
+    else under its own."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = TinyLlama(cfg)
@@ -200,9 +229,11 @@ def train_model(items: list[dict], cfg: Config, *, steps: int, batch: int, lr: f
         pos_i += batch
         batch_items = []
         for i in idx:
-            ps = items[i]["prompts"]
+            ps, branches = items[i]["prompts"], items[i]["branches"]
+            if items[i].get("hist") and rng.random() < hist_mix:
+                ps, branches = rng.choice(items[i]["hist"])
             p = rng.choice(ps[1:]) if len(ps) > 1 and rng.random() < hw_mix else ps[0]
-            batch_items.append({"prompt": p, "branches": items[i]["branches"]})
+            batch_items.append({"prompt": p, "branches": branches})
         ids, pos, mask, src, tgt, w = pack(batch_items)
         logits = model(ids, pos, mask).reshape(-1, cfg.vocab)[src]
         nll = F.cross_entropy(logits, tgt, reduction="none")
@@ -300,19 +331,23 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
           f"{n_sessions} record sessions", flush=True)
     hw_rng = random.Random(r.seed)
     variants = {id(c): hw_variants(c.hw, hw_rng) for c in train + held} if r.hw_mix > 0 else {}
-    proto = train_tokenizer(build_corpus(train, held, variants), r.vocab)
+    histories = draw_histories(train, r.histories, r.seed) if r.hist_mix > 0 else {}
+    proto = train_tokenizer(build_corpus(train, held, variants, histories), r.vocab)
     sp = load_sp(proto)
-    items = encode_cases(sp, examples, variants)
+    items = encode_cases(sp, examples, variants, histories, r)
     seqs = [it["prompts"][0] + b[0] for it in items for b in it["branches"][:1]]
-    longest = max(max(map(len, it["prompts"])) + max(len(b) for b, _ in it["branches"]) for it in items)
+    hist_seqs = [it["hist"][0][0][0] + it["hist"][0][1][0][0] for it in items[:: max(1, len(items) // 2)] if it["hist"]]
+    longest = max(max(map(len, ps)) + max(len(b) for b, _ in bs)
+                  for it in items for ps, bs in [(it["prompts"], it["branches"])] + it["hist"])
     cfg = Config(vocab=sp.get_piece_size(), dim=r.dim, layers=r.layers, heads=r.heads, ffn=r.ffn,
                  ctx=max(128, 2 ** math.ceil(math.log2(longest + 8))))
     print(f"tokenizer: {cfg.vocab} pieces; longest sequence {longest} tokens; model {cfg}", flush=True)
     model, losses = train_model(items, cfg, steps=r.steps, batch=r.batch, lr=r.lr, seed=r.seed, hw_mix=r.hw_mix,
-                                deadline_s=deadline_s)
+                                hist_mix=r.hist_mix, deadline_s=deadline_s)
     version = f"{time.strftime('%Y%m%d')}-{dataset_sha[:8]}-{hashlib.sha256(json.dumps(cfg.to_dict()).encode()).hexdigest()[:6]}"
     training = {"steps": len(losses), "batch": r.batch, "lr": r.lr, "top": r.top, "tau": r.tau, "seed": r.seed,
-                "hw_mix": r.hw_mix, "hw_variants": HW_VARIANTS if r.hw_mix > 0 else 0,
+                "hw_mix": r.hw_mix, "hw_variants": HW_VARIANTS if r.hw_mix > 0 else 0, "histories": r.histories,
+                "hist_mix": r.hist_mix,
                 "final_loss": float(np.mean(losses[-50:])), "threads": r.threads, "arch": cfg.to_dict()}
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as td:
@@ -322,7 +357,7 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
                 "training": training}
         write_f16(model, proto, f16, meta | {"spaces": spaces_meta()})
         quantize_q8_0(f16, q8, r.threads)
-        probe_seqs = seqs[:: max(1, len(seqs) // 6)][:6]
+        probe_seqs = seqs[:: max(1, len(seqs) // 4)][:4] + hist_seqs[:2]  # with and without a history
         agree_f16 = agreement(model, f16, probe_seqs)
         agree_q8 = agreement(model, q8, probe_seqs)
         print(f"torch vs llama.cpp: f16 {agree_f16}, Q8_0 {agree_q8}", flush=True)

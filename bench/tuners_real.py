@@ -1,0 +1,331 @@
+"""Tuners on held-out real layers, measured on this machine: `python bench/compare_tuners.py --real-layers`.
+
+For every layer of bench/real_layers.toml (shapes the tuner model never trained on; tests/test_real_layers.py):
+
+1. Reference: the winner of a long search on this machine (`--ref-evals` evaluations of `anneal` through the real
+   Session), cached per machine, ISA, kernel source and shape in `--refs` (a new kernel or host searches again);
+   a run that measures something clearly faster makes that the reference of later runs.
+2. Every strategy tunes the layer from a cold build cache through the real Session (compile, worker, finalists),
+   with a budget of the largest of `--budgets` and no patience stop: `llm`, `anneal`, `random`, Optuna TPE and
+   Kernel Tuner (bench/peer_tuners.py). A strategy may stop early (llm does when it has converged).
+3. The winner at budget b of a run is what its session would have kept had it stopped there: the session's own
+   finalists of its first b evaluations (`tuner.session.pick_finalists`: the fastest few by search measurement
+   within its margin, and the default), the fastest of them in the side-by-side rounds. The reference, every run's
+   finalists at every budget and each session's final winner are measured side by side in `--rounds` shuffled
+   rounds (`Evaluator.interleave`, one protocol for all), in one warm build cache.
+4. Quality = a config's median same-round ratio to the reference, over the best such ratio of the layer (the
+   reference's own 1.0 or anything faster found); "within 5%" is quality <= 1.05; evals to 5% is the first budget b
+   whose winner is within 5% (a run that never gets there counts as budget + 1).
+
+Printed: per strategy the geometric mean quality at each budget, the share within 5%, median evals to 5%, the
+median wall time of a cold session (compile included) and of reaching 5 evals; then the same per kernel; the load
+average beside each layer. Only ratios measured in the same rounds are compared (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from edgetune import paths  # noqa: E402
+from edgetune.atomic import write_atomic  # noqa: E402
+from kernels.measure import TIE_THRESHOLD  # noqa: E402
+from kernels.space import Config, config_key  # noqa: E402
+from kernels.spec import KernelSpec, Workload  # noqa: E402
+
+BUDGETS = (5, 10, 20)
+LAYERS = ROOT / "bench" / "real_layers.toml"
+STRATEGIES = "llm,anneal,random,optuna-tpe,kerneltuner-bayes_opt"
+PEERS = ("optuna-tpe", "kerneltuner-")
+WITHIN = 1.05
+
+
+@dataclass
+class Run:
+    """One strategy's session on one layer."""
+
+    strategy: str
+    evals: int
+    wall_s: float
+    timing: dict
+    traj: list[tuple[Config, float | None, float]]  # (config, search ms or None, seconds since start) per eval
+    final: Config
+    note: str = ""
+    quality: dict = field(default_factory=dict)  # budget -> quality of its winner at that budget
+    final_quality: float | None = None
+    evals_to: int | None = None
+
+    def finalists_at(self, n: int, default: Config) -> list[Config]:
+        """The session's finalists had it stopped after n evaluations."""
+        from kernels.measure import Measurement
+        from tuner.session import pick_finalists
+
+        ok = sorted(((c, Measurement(ok=True, ms=ms)) for c, ms, _ in self.traj[:n] if ms is not None),
+                    key=lambda cm: cm[1].value)
+        return pick_finalists(ok, default) if ok else []
+
+    def seconds_to(self, n: int) -> float | None:
+        return self.traj[n - 1][2] if len(self.traj) >= n else None
+
+
+def load_layers(path: Path, kernels: list[str], per_kernel: int | None, names: list[str]) -> list[tuple[KernelSpec, Workload]]:
+    from kernels.workload_files import load_workload_files
+
+    out, count = [], {}
+    for spec, wl in load_workload_files([str(path)]):
+        if (kernels and spec.name not in kernels) or (names and wl.name not in names):
+            continue
+        count[spec.name] = count.get(spec.name, 0) + 1
+        if per_kernel is None or count[spec.name] <= per_kernel:
+            out.append((spec, wl))
+    return out
+
+
+# ---- sessions ---------------------------------------------------------------------------------------------
+
+def _cold(td: Path, tag: str) -> None:
+    """A fresh build cache for the next session: its compile time is real."""
+    os.environ["CACHE_DIRECTORY"] = str(td / "cold" / tag)
+
+
+def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):
+    """A peer (bench/peer_tuners.py), a variant of one of ours with settings (`llm:k=5,history=0`), or None for
+    a strategy the session makes by name."""
+    from peer_tuners import make_peer
+
+    from tuner.strategies import STRATEGIES
+
+    if name.startswith(PEERS):
+        return make_peer(name, space, seed, budget)
+    if ":" in name:
+        base, _, opts = name.partition(":")
+        kw = {k: float(v) if "." in v else int(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
+        return STRATEGIES[base](space, seed, kernel=spec, **kw)
+    return None
+
+
+def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int) -> Run:
+    from tuner.session import Budget
+
+    strat = strategy_obj(name, spec, spec.space(wl.shape, sess.hw), seed, budget)
+    t0 = time.time()
+    try:
+        res = sess.tune(spec, wl, strategy=name if strat is None else "anneal", strategy_obj=strat, seed=seed,
+                        budget=Budget(evals=budget, patience=None), force=True)
+    finally:
+        if hasattr(strat, "close"):
+            strat.close()
+    rows = sess.db.measurements(res.session_id, "search")
+    start = sess.db.session_info(res.session_id)["started_at"]
+    traj = [(r["config"], r["ms"] if r["ok"] else None,
+             r["ts"] - start) for r in rows]
+    note = "fell back to anneal (no usable model)" if "fallback" in (res.strategy_version or "") else ""
+    return Run(name, res.evals, res.tuning_s or (time.time() - t0), res.timing, traj, res.config, note)
+
+
+def reference(sess, spec: KernelSpec, wl: Workload, evals: int, refs: dict, refs_path: Path) -> Config:
+    """The cached long-search winner for this machine, ISA, kernel source and shape, or a new search."""
+    key = ref_key(sess.hw, spec, wl)
+    if key in refs:
+        return refs[key]["config"]
+    t0 = time.time()
+    run = tune(sess, spec, wl, "anneal", evals, seed=12345)
+    refs[key] = {"config": run.final, "kernel": spec.name, "workload": wl.name, "evals": run.evals,
+                 "seconds": round(time.time() - t0, 1), "load1": os.getloadavg()[0], "ts": time.time()}
+    refs_path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(refs_path, json.dumps(refs, indent=1).encode())
+    return run.final
+
+
+def ref_key(hw, spec: KernelSpec, wl: Workload) -> str:
+    return f"{hw.hw_fingerprint}|{hw.isa}|{spec.name}|{spec.source_hash()}|{json.dumps(wl.shape, sort_keys=True)}"
+
+
+# ---- side by side -----------------------------------------------------------------------------------------
+
+def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Run], rounds: int, seed: int,
+          budget: int) -> dict:
+    """Measure the reference and every run's finalists side by side; fill each run's qualities."""
+    from tuner.evaluate import Measured
+
+    default = spec.space(wl.shape, hw).valid_default()
+    wanted: dict[str, Config] = {config_key(ref): ref}
+    for r in runs:
+        for n in range(1, len(r.traj) + 1):
+            for c in r.finalists_at(n, default):
+                wanted.setdefault(config_key(c), c)
+        wanted.setdefault(config_key(r.final), r.final)
+    keys = list(wanted)
+    ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner, min_time_s=0.02, max_reps=15, timeout_s=20)
+    got = ev.interleave([wanted[k] for k in keys], rounds, seed=seed)
+    ratio = dict(zip(keys, got.ratios_to(0)))
+    best = min([1.0] + [x for x in ratio.values() if x])
+    best_key = min((k for k in keys if ratio[k]), key=lambda k: ratio[k], default=keys[0])
+    q = {k: (x / best if x else None) for k, x in ratio.items()}
+    for r in runs:
+        at = {n: min((q[config_key(c)] for c in r.finalists_at(n, default) if q.get(config_key(c))), default=None)
+              for n in range(1, len(r.traj) + 1)}
+        r.quality = {b: at.get(min(b, len(r.traj))) for b in BUDGETS if b <= budget}
+        r.final_quality = q.get(config_key(r.final))
+        r.evals_to = next((n for n in range(1, len(r.traj) + 1) if at.get(n) is not None and at[n] <= WITHIN), None)
+    return {"configs": len(keys), "ref_ms": got.median_ms(0), "best_over_ref": best, "best": wanted[best_key],
+            "compile_s": ev.timing.get("compile_s", 0.0)}
+
+
+def improve_reference(refs: dict, key: str, info: dict, path: Path) -> None:
+    """A config measured clearly faster than the reference (beyond the 3% noise) becomes the next run's: the
+    reference is the best known on this machine, and grows with every run."""
+    if info["best_over_ref"] < 1 - TIE_THRESHOLD:
+        refs[key] |= {"config": info["best"], "improved_by": round(1 / info["best_over_ref"], 3), "ts": time.time()}
+        write_atomic(path, json.dumps(refs, indent=1).encode())
+
+
+# ---- summary ----------------------------------------------------------------------------------------------
+
+def gmean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
+
+
+def summary(rows: list[dict], strategies: list[str], budget: int) -> list[dict]:
+    out = []
+    for s in strategies:
+        runs = [r["runs"][s] for r in rows if s in r["runs"]]
+        if not runs:
+            continue
+        d = {"strategy": s, "layers": len(runs)}
+        for b in (b for b in BUDGETS if b <= budget):
+            qs = [r["quality"].get(str(b), r["quality"].get(b)) or 10.0 for r in runs]
+            d[f"gm@{b}"] = gmean(qs)
+            d[f"within@{b}"] = sum(q <= WITHIN for q in qs) / len(qs)
+        d["median_evals_to"] = statistics.median(r["evals_to"] or budget + 1 for r in runs)
+        d["median_wall_s"] = statistics.median(r["wall_s"] for r in runs)
+        t5 = [r["seconds_to_5"] for r in runs if r["seconds_to_5"] is not None]
+        d["median_s_to_5"] = statistics.median(t5) if t5 else None
+        d["median_evals"] = statistics.median(r["evals"] for r in runs)
+        d["gm_final"] = gmean([r["final_quality"] or 10.0 for r in runs])
+        out.append(d)
+    return out
+
+
+def print_summary(summ: list[dict], title: str) -> None:
+    budgets = [b for b in BUDGETS if summ and f"gm@{b}" in summ[0]]
+    hdr = ["strategy", "layers", *(f"@{b} gm / ≤5%" for b in budgets), "evals→5% med", "session gm", "evals",
+           "wall s", "s to 5 evals"]
+    rows = [[d["strategy"], str(d["layers"]), *(f"{d[f'gm@{b}']:.3f} / {d[f'within@{b}']:.0%}" for b in budgets),
+             f"{d['median_evals_to']:.1f}", f"{d['gm_final']:.3f}", f"{d['median_evals']:.0f}",
+             f"{d['median_wall_s']:.2f}", f"{d['median_s_to_5']:.2f}" if d["median_s_to_5"] is not None else "-"]
+            for d in summ]
+    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(hdr)]
+    print(title)
+    print("  " + "  ".join(h.ljust(w[i]) for i, h in enumerate(hdr)))
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w[i]) for i, c in enumerate(r)))
+
+
+def run_dict(r: Run) -> dict:
+    return {"evals": r.evals, "wall_s": r.wall_s, "timing": r.timing, "note": r.note, "final": r.final,
+            "final_quality": r.final_quality, "quality": r.quality, "evals_to": r.evals_to,
+            "seconds_to_5": r.seconds_to(5), "traj": [[c, ms, round(t, 3)] for c, ms, t in r.traj]}
+
+
+# ---- main -------------------------------------------------------------------------------------------------
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--real-layers", action="store_true", help="(selects this bench in compare_tuners.py)")
+    ap.add_argument("--layers", default=str(LAYERS), help="held-out layers (a workloads file)")
+    ap.add_argument("--kernels", default="", help="only these kernels (comma-separated)")
+    ap.add_argument("--per-kernel", type=int, help="only the first N layers of each kernel (a quick subset)")
+    ap.add_argument("--names", default="", help="only these layers (comma-separated names)")
+    ap.add_argument("--strategies", default=STRATEGIES,
+                    help="comma-separated; also peers (optuna-tpe, kerneltuner-<strategy>) and variants of ours with "
+                         "settings after a colon, separated by '+': llm:k=5+patience=6")
+    ap.add_argument("--budget", type=int, default=max(BUDGETS), help="evaluations per session")
+    ap.add_argument("--rounds", type=int, default=5, help="side-by-side rounds per layer")
+    ap.add_argument("--ref-evals", type=int, default=80, help="evaluations of the reference search")
+    ap.add_argument("--refs", default=str(paths.cache_dir() / "bench-real-refs.json"),
+                    help="reference cache (per machine, ISA, kernel source and shape)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write every layer's runs and the summaries here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    a = ap.parse_args(argv)
+    from hwprobe import probe
+    from kernels.worker import Runner
+    from tuner.db import ResultsDB
+    from tuner.session import Session
+
+    strategies = [s.replace("+", ",") if ":" in s else s for s in a.strategies.split(",") if s]
+    layers = load_layers(Path(a.layers), [k for k in a.kernels.split(",") if k], a.per_kernel,
+                         [n for n in a.names.split(",") if n])
+    refs_path = Path(a.refs)
+    refs = json.loads(refs_path.read_text()) if refs_path.exists() else {}
+    hw = probe(measure_bandwidth=False)
+    warm = os.environ.get("CACHE_DIRECTORY")
+    print(f"{len(layers)} held-out real layers; strategies {', '.join(strategies)}; budget {a.budget}; "
+          f"{a.rounds} rounds; {hw.cpu_model}, {hw.isa}, {hw.cores} cores; load {os.getloadavg()[0]:.2f}", flush=True)
+    rows: list[dict] = []
+    t_all = time.time()
+    with tempfile.TemporaryDirectory(prefix="et-real-") as tdir, Runner() as runner:
+        td = Path(tdir)
+        sess = Session(ResultsDB(td / "bench.db"), runner, hw, ort_twin=False)
+        for i, (spec, wl) in enumerate(layers):
+            load = os.getloadavg()[0]
+            t0 = time.time()
+            _cold(td, "ref")
+            ref = reference(sess, spec, wl, a.ref_evals, refs, refs_path)
+            runs = []
+            for s in strategies:
+                _cold(td, f"{i}-{s}")
+                try:
+                    runs.append(tune(sess, spec, wl, s, a.budget, a.seed))
+                except Exception as e:  # one peer failing on one layer must not sink the comparison
+                    print(f"  {s} failed on {spec.name}/{wl.name}: {type(e).__name__}: {e}", file=sys.stderr)
+            os.environ["CACHE_DIRECTORY"] = str(td / "warm")
+            info = judge(runner, hw, spec, wl, ref, runs, a.rounds, seed=i, budget=a.budget)
+            improve_reference(refs, ref_key(hw, spec, wl), info, refs_path)
+            row = {"kernel": spec.name, "workload": wl.name, "shape": wl.shape, "reference": ref, "load1": load,
+                   "load1_end": os.getloadavg()[0], "seconds": time.time() - t0, **info,
+                   "runs": {r.strategy: run_dict(r) for r in runs}}
+            rows.append(row)
+            print(f"[{i + 1}/{len(layers)}] {spec.name}/{wl.name}: "
+                  + "  ".join(f"{r.strategy} " + "/".join(f"{r.quality.get(b) or float('nan'):.2f}" for b in BUDGETS
+                                                           if b <= a.budget)
+                              + (f" ({r.evals}ev {r.wall_s:.1f}s{', ' + r.note if r.note else ''})") for r in runs)
+                  + f"; best/ref {info['best_over_ref']:.2f}, load {load:.1f}-{row['load1_end']:.1f}, "
+                    f"{row['seconds']:.0f}s", flush=True)
+    if warm is not None:
+        os.environ["CACHE_DIRECTORY"] = warm
+    summ = summary(rows, strategies, a.budget)
+    loads = [r["load1"] for r in rows] + [r["load1_end"] for r in rows]
+    print()
+    print_summary(summ, f"all {len(rows)} layers (quality = same-round ratio to the best measured; load "
+                        f"{min(loads):.1f}-{max(loads):.1f}, {time.time() - t_all:.0f}s):")
+    per_kernel = {}
+    for k in dict.fromkeys(r["kernel"] for r in rows):
+        per_kernel[k] = summary([r for r in rows if r["kernel"] == k], strategies, a.budget)
+        print()
+        print_summary(per_kernel[k], f"{k} ({sum(r['kernel'] == k for r in rows)} layers):")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"summary": summ, "per_kernel": per_kernel, "layers": rows,
+                                            "hw": {"cpu": hw.cpu_model, "isa": hw.isa, "cores": hw.cores},
+                                            "args": vars(a)}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`GET /releases/{sha256}`: the model file a signed release names, for devices to download.
+
+No credentials: a device has none, and what it downloads is worth nothing without the signed manifest, which names
+the file's sha256 and size (the device checks both). Range requests let a device resume (Starlette's FileResponse
+answers `Range: bytes=N-` with 206 and Content-Range); the response carries the file's sha256 as ETag and
+Repr-Digest. The bytes live in the fleet DB; each is written once to a cache file (atomically, checked against
+the registered sha256), and checked again whenever that file changed on disk, so a damaged or replaced cache file
+is rewritten from the DB rather than served.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import threading
+from pathlib import Path
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import Route
+
+from edgetune import paths
+from edgetune.atomic import write_atomic
+from edgetune.release import SHA256_RE
+from fleet import rollout_store as rs
+from fleet.store import FleetStore
+from fleet.web.app import fleet_of
+
+_checked: dict[str, tuple[int, int]] = {}  # sha256 -> (size, mtime_ns) of the cache file when it last matched
+_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    d = paths.cache_dir() / "fleet-releases"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _sha_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cached_file(store: FleetStore, sha: str) -> Path | None:
+    """The cache file holding the registered model `sha`, (re)written from the DB when missing or changed; None
+    when no registered model has that sha256."""
+    path = cache_dir() / f"{sha}.gguf"
+    with _lock:
+        try:
+            st = path.stat()
+            if _checked.get(sha) == (st.st_size, st.st_mtime_ns) or _sha_of(path) == sha:
+                _checked[sha] = (st.st_size, st.st_mtime_ns)
+                return path
+        except FileNotFoundError:
+            pass
+        data = rs.model_data(store, sha)
+        if data is None:
+            return None
+        if hashlib.sha256(data).hexdigest() != sha:  # the DB row itself is damaged: serve nothing rather than it
+            raise RuntimeError(f"model {sha[:16]}… in the fleet DB does not match its sha256")
+        write_atomic(path, data, mode=0o644)
+        st = path.stat()
+        _checked[sha] = (st.st_size, st.st_mtime_ns)
+        return path
+
+
+async def release_file(request: Request) -> Response:
+    sha = request.path_params["sha256"]
+    if not SHA256_RE.fullmatch(sha):
+        return Response("not a sha256: /releases/<64 lowercase hex digits>\n", 404, media_type="text/plain")
+    fleet = fleet_of(request)
+    try:
+        path = await run_in_threadpool(lambda: cached_file(fleet.stores(), sha))
+    except RuntimeError as e:
+        return Response(f"{e}\n", 500, media_type="text/plain")
+    if path is None:
+        return Response(f"no model with sha256 {sha} is registered\n", 404, media_type="text/plain")
+    digest = base64.b64encode(bytes.fromhex(sha)).decode()
+    return FileResponse(path, media_type="application/octet-stream",
+                        headers={"etag": f'"{sha}"', "repr-digest": f"sha-256=:{digest}:",
+                                 "cache-control": "public, max-age=31536000, immutable"})
+
+
+def routes() -> list[Route]:
+    return [Route("/releases/{sha256}", release_file, methods=["GET", "HEAD"])]
