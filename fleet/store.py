@@ -185,7 +185,6 @@ BATCH_TOUCH_SQL = TOUCH_SQL + (
     f" OR excluded.last_seen > coalesce(devices.last_seen, 0) + {TOUCH_STEP_S}")
 SUMMARY_FIELDS = ("id", "state", "session", "version", "last_seen", "state_changed_at", "first_seen", "cpu_model",
                   "arch", "isa", "vector_bits", "cores", "hw_fingerprint", "fw_fingerprint", "model_version")
-SAMPLE_FIELDS = ("ts", "boot_id", "seq", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")
 TELEMETRY_FIELDS = ("boot_id", "seq", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")
 
 
@@ -449,8 +448,8 @@ class FleetStore(Store):
             if not devices:
                 return {}
             where, args = f" WHERE d.id IN ({', '.join('?' * len(devices))})", tuple(devices)
-        return {r[0]: dict(zip(SAMPLE_FIELDS, r[1:])) for r in self.query(
-            f"SELECT t.device_id, {', '.join('t.' + k for k in SAMPLE_FIELDS)} FROM devices d JOIN telemetry t"
+        return {r[0]: dict(zip(TELEMETRY_FIELDS, r[1:])) for r in self.query(
+            f"SELECT t.device_id, {', '.join('t.' + k for k in TELEMETRY_FIELDS)} FROM devices d JOIN telemetry t"
             f" ON t.id = (SELECT max(id) FROM telemetry WHERE device_id = d.id){where}", args)}
 
     def device(self, device: str) -> dict | None:
