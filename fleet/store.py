@@ -14,14 +14,14 @@ and its fsync, is paid per batch rather than per message.
 The schema is versioned with PRAGMA user_version and tagged with PRAGMA application_id (on PostgreSQL: a metadata
 table, see fleet.db).
 
-Several receivers may write to one PostgreSQL at once (MQTT shared subscriptions split the messages between
-them). That is safe without application locks: every write first upserts the device row (`_touch`), which
-row-locks it until commit, so two transactions about one device run one after the other; and every insert that
-could arrive twice carries a unique constraint and `ON CONFLICT DO NOTHING`, so a copy that races its twin is
-dropped by the database, not by an earlier read. A batch about many devices touches their rows all at once, in
-sorted order (`touch_devices`), so two receivers' batches wait for each other instead of deadlocking; a batch of
-telemetry only does that last, just before its commit, so the rows every sample updates stay locked for the
-least time.
+Several receivers may write to one PostgreSQL at once (MQTT shared subscriptions split the messages between them).
+That is safe without application locks: every write first upserts the device row (`device_write`, the one way a
+received message is written, fleet.rollout_store's model/state included), which row-locks it until commit, so two
+transactions about one device run one after the other; and every insert that could arrive twice carries a unique
+constraint and `ON CONFLICT DO NOTHING`, so a copy that races its twin is dropped by the database, not by an
+earlier read. A batch about many devices touches their rows all at once, in sorted order (`touch_devices`), so two
+receivers' batches wait for each other instead of deadlocking; a batch of telemetry only does that last, just
+before its commit, so the rows every sample updates stay locked for the least time.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ class FleetStore(Store):
             self._touch(c, device, now, seen)
             yield c
 
-    # ---- writes (each one transaction) ---------------------------------------------------------------------
+    # ---- writes (each its own transaction, or the open batch's) --------------------------------------------
 
     @staticmethod
     def _touch(c: Any, device: str, now: float, seen: float | None) -> None:
