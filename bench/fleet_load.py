@@ -9,12 +9,19 @@ measure the simulator, not the fleet side). Receivers are real `edgetune fleet l
 
 Reported, side by side:
 1. ingest rate: a burst of queued telemetry drained by 1 or 2 receivers (shared subscription) into SQLite and
-   into PostgreSQL, messages/s;
+   into PostgreSQL, messages/s; then a burst published live to one PostgreSQL receiver, with its Receive Maximum
+   and without one (mosquitto then keeps its max_inflight_messages window, 20 by default: what the receiver had
+   before it asked), ratio to the first;
 2. sustained: N devices at 1 Hz for T minutes into PostgreSQL (or --backend sqlite) with 2 receivers sharing
-   the subscription (or --receivers 1), one SIGKILLed half-way and restarted 5 s later (as systemd's Restart=
-   would): lost and duplicated rows, receiver lag (DB receive time minus the sample's send time) p50/p99;
-3. dashboard: `fleet serve` on that DB, p50/p95 latency of the overview page and a device page.
-The machine's load average is printed with each phase: on a shared machine the figures move with it.
+   the subscription (or --receivers 1), one SIGKILLed half-way and restarted after the fleet unit's RestartSec
+   (systemd/edgetune-fleet.service), as systemd would: lost and duplicated rows; receiver lag per sample (its
+   stored time, received_at, minus the device's ts) p50/p99/max overall, in steady state (without the
+   KILL_WINDOW_S after the kill) and in that window, and per minute; how many samples sent while the receiver
+   was down waited for its restart (mosquitto keeps dealing a share to a member that is away); the receivers'
+   batches and transaction times. The telemetry clock starts once the receivers run and have stored the fleet's
+   announcements (start-up, timed apart);
+3. dashboard: `fleet serve` on that DB, p50/p95 latency of the overview, the device list and a device page.
+The machine's load average is printed before and after each phase: on a shared machine the figures move with it.
 """
 
 from __future__ import annotations
@@ -23,11 +30,9 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
@@ -45,12 +50,66 @@ from tests.broker import Mosquitto, free_port  # noqa: E402
 from tests.pg import PgCluster, missing_reason  # noqa: E402
 
 PUBLISHERS = 4  # broker connections the simulated fleet publishes over
+OTHER_KINDS = ("status", "info", "active", "record")  # what the fleet announces (retained state and a record)
+KILL_WINDOW_S = 30  # samples sent this long after the SIGKILL count as the kill window
+UNIT = REPO / "systemd" / "edgetune-fleet.service"
 HW = {"arch": "x86_64", "cpu_model": "Sim CPU", "isa": "x86-64-v3", "vector_bits": 256, "cores": 4,
       "hw_fingerprint": "hw-sim", "fw_fingerprint": "fw-sim"}
 
 
 def load() -> str:
     return "load %.2f %.2f %.2f on %d cores" % (*os.getloadavg(), os.cpu_count())
+
+
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of a process, with its children reaped or alive (PostgreSQL's backends are the postmaster's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    own = _stat(pid)
+    total = sum(int(x) for x in own[11:15])  # utime stime cutime cstime
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                st = _stat(int(d.name))
+            except OSError:
+                continue
+            if int(st[1]) == pid:
+                total += int(st[11]) + int(st[12])
+    return total / tick
+
+
+class Cpu:
+    """CPU seconds spent by each part during a phase: the receivers (this process's reaped children), the broker,
+    PostgreSQL, and the simulator (this process)."""
+
+    def __init__(self, broker: Mosquitto, pg: PgCluster | None):
+        self.pids = {"broker": broker.proc.pid}
+        if pg is not None:
+            self.pids["postgresql"] = int((pg.dir / "data" / "postmaster.pid").read_text().split()[0])
+        self.start = self._now()
+
+    def _now(self) -> dict[str, float]:
+        t = os.times()
+        return {"receivers": t.children_user + t.children_system, "simulator": t.user + t.system,
+                **{k: cpu_s(pid) for k, pid in self.pids.items()}}
+
+    def per_1000(self, messages: int) -> str:
+        """CPU ms per 1000 messages, by part (the receivers only once they were all stopped)."""
+        end = self._now()
+        return ", ".join(f"{k} {1000 * 1000 * (end[k] - self.start[k]) / messages:.0f}" for k in end)
+
+
+def restart_sec() -> float:
+    """The fleet unit's RestartSec, in seconds: how long systemd leaves a crashed receiver down."""
+    for line in UNIT.read_text().splitlines():
+        if line.startswith("RestartSec="):
+            v = line.split("=", 1)[1].strip()
+            return float(v[:-2]) / 1000 if v.endswith("ms") else float(v.rstrip("s"))
+    return 0.1  # systemd's default
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -119,10 +178,15 @@ class Fleet:
 class Receiver:
     """One `edgetune fleet listen` process."""
 
-    def __init__(self, broker: Mosquitto, db: str, client_id: str, share: str | None, log: Path):
-        self.argv = [sys.executable, "-m", "edgetune.main", "fleet", "listen", "--broker",
-                     f"{broker.host}:{broker.port}", "--db", db, "--client-id", client_id, "--json",
-                     *(["--share", share] if share else [])]
+    def __init__(self, broker: Mosquitto, db: str, client_id: str, share: str | None, log: Path,
+                 receive_maximum: int | None = None):
+        verb = ["fleet", "listen", "--broker", f"{broker.host}:{broker.port}", "--db", db, "--client-id", client_id,
+                "--json", *(["--share", share] if share else [])]
+        # receive_maximum 0: ask for none (mosquitto then allows its max_inflight_messages, 20 by default)
+        patch = [] if receive_maximum is None else [
+            "-c", "import sys, fleet.listener as l; l.RECEIVE_MAXIMUM = int(sys.argv[1]); "
+                  "from edgetune.main import main; sys.exit(main(sys.argv[2:]))", str(receive_maximum)]
+        self.argv = [sys.executable, *(patch or ["-m", "edgetune.main"]), *verb]
         self.log = log
         self.proc: subprocess.Popen | None = None
         # the persistent session and its subscription exist before anything is published: the process started
@@ -161,36 +225,53 @@ def wait_rows(db: str, table: str, want: int, timeout: float) -> tuple[int, floa
             time.sleep(0.2)
 
 
-def burst(broker: Mosquitto, db: str, receivers: int, messages: int, work: Path) -> dict:
-    """Queue `messages` telemetry samples while the receivers are away, then time their drain."""
+def burst(broker: Mosquitto, db: str, receivers: int, messages: int, work: Path,
+          receive_maximum: int | None = None, live: bool = False) -> dict:
+    """Queue `messages` telemetry samples while the receivers are away, then time their drain; or (`live`) start
+    the receivers, then publish them as fast as the simulator can. (mosquitto 2.0.11 holds a receiver that asks
+    for no Receive Maximum to max_inflight_messages, 20, only while nothing is acknowledged: once PUBACKs flow,
+    batches of hundreds reach it, and a resumed session's backlog comes in batches of up to BATCH_MAX.)"""
     group = f"b{uuid.uuid4().hex[:6]}" if receivers > 1 else None
-    recv = [Receiver(broker, db, f"burst-{group or 'solo'}-{i}-{uuid.uuid4().hex[:4]}", group, work / f"r{i}.log")
-            for i in range(receivers)]
+    recv = [Receiver(broker, db, f"burst-{group or 'solo'}-{i}-{uuid.uuid4().hex[:4]}", group, work / f"r{i}.log",
+                     receive_maximum) for i in range(receivers)]
     fleet = Fleet(broker, 500, uuid.uuid4().hex[:4])
+    if live:
+        for r in recv:
+            r.start()
+        fleet.pub(0, "status", {"state": "online", "session": 1, "ts": time.time()})  # stored once they run
+        wait_rows(db, "devices", 1, timeout=120)
     for seq in range(messages // 500):
         for i in range(500):
             fleet.telemetry(i, seq)
     fleet.flush()
     fleet.close()
-    for r in recv:
-        r.start()
+    if not live:
+        for r in recv:
+            r.start()
     n, _ = wait_rows(db, "telemetry", messages, timeout=900)
     stats = [r.stop() for r in recv]
     split = [s.get("messages", {}).get("telemetry", 0) for s in stats]
     with open_fleet_store(db) as s:  # the receivers' own clock: process start-up is not ingest time
         first, last = s.query_one("SELECT min(received_at), max(received_at) FROM telemetry")
-    return {"stored": n, "s": last - first, "rate": n / (last - first), "split": split, "load": load()}
+    return {"stored": n, "s": last - first, "rate": n / (last - first), "split": split,
+            "batch": [s.get("batches", {}).get("messages_per_batch") for s in stats], "load": load()}
 
 
-def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, work: Path) -> dict:
+def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, work: Path,
+              pg: PgCluster | None, down: float) -> dict:
     group = f"s{uuid.uuid4().hex[:6]}"
     recv = [Receiver(broker, db, f"sustained-{group}-{i}", group if receivers > 1 else None, work / f"s{i}.log")
             for i in range(receivers)]
+    load_before = load()
+    cpu = Cpu(broker, pg)
+    t_start = time.monotonic()
     for r in recv:
         r.start()
     fleet = Fleet(broker, n, "load")
     fleet.announce()
-    killed_at = None
+    wait_rows(db, "records", n, timeout=600)  # start-up: the receivers run and stored the announcements
+    startup_s = time.monotonic() - t_start
+    kill_at = restart_at = None
     t0 = time.monotonic()
     behind = 0.0
     for seq in range(seconds):
@@ -201,9 +282,10 @@ def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, 
             fleet.telemetry(i, seq)
         if seq == seconds // 2:
             recv[0].kill()
-            killed_at = seq
-        if killed_at is not None and seq == killed_at + 5:
+            kill_at = time.time()
+        if kill_at is not None and restart_at is None and time.time() >= kill_at + down:
             recv[0].start()
+            restart_at = time.time()
         if seq % 10 == 0:
             fleet.flush()  # bounded memory: PUBACKs of the last ten seconds
     fleet.flush()
@@ -211,19 +293,42 @@ def sustained(broker: Mosquitto, db: str, n: int, seconds: int, receivers: int, 
     n_rows, _ = wait_rows(db, "telemetry", n * seconds, timeout=600)
     stats = [r.stop() for r in recv]
     with open_fleet_store(db) as s:
-        rows = s.query("SELECT seq, received_at - ts FROM telemetry")
-        lags = [lag for _, lag in rows]
-        # samples sent while a receiver was down wait for its restart: their lag is the outage, shown apart
-        calm = [lag for seq, lag in rows if not killed_at - 1 <= seq <= killed_at + 15]
+        rows = s.query("SELECT ts, received_at FROM telemetry")
         dup = s.query_one("SELECT count(*) - (SELECT count(*) FROM (SELECT DISTINCT device_id, boot_id, seq"
                           " FROM telemetry) x) FROM telemetry")[0]
         recs = s.query_one("SELECT count(*), sum(copies) FROM records")
     return {"devices": n, "seconds": seconds, "expected": n * seconds, "stored": n_rows,
             "lost": n * seconds - n_rows, "duplicated_rows": dup, "records": recs[0], "record_copies": recs[1],
             "redelivered_deduped": sum(s.get("messages", {}).get("telemetry:duplicate", 0) for s in stats),
-            "lag_p50_s": pct(lags, 50), "lag_p99_s": pct(lags, 99), "lag_max_s": max(lags),
-            "lag_p99_outside_kill_window_s": pct(calm, 99),
-            "publisher_behind_max_s": behind, "load": load()}
+            "startup_s": startup_s, "restart_after_s": down, **lag_report(rows, kill_at, restart_at),
+            "receivers": [s.get("batches") for s in stats], "publisher_behind_max_s": behind,
+            "receivers_other_messages": [sum(v for k, v in s.get("messages", {}).items() if k in OTHER_KINDS)
+                                         for s in stats],
+            "cpu_ms_per_1000_messages": cpu.per_1000(n * seconds + 4 * n),
+            "load_before": load_before, "load_after": load()}
+
+
+def lag_report(rows: list, kill_at: float, restart_at: float) -> dict:
+    """Lag = stored time − the device's ts, per sample: overall, steady state, the kill window, per minute; and
+    of the samples sent while a receiver was down, how many waited for its restart."""
+    lag = [(ts, got - ts) for ts, got in rows]
+    first = min(ts for ts, _ in lag)
+    window = [x for ts, x in lag if kill_at <= ts < kill_at + KILL_WINDOW_S]
+    steady = [x for ts, x in lag if not kill_at <= ts < kill_at + KILL_WINDOW_S]
+    outage = [(ts, ts + x) for ts, x in lag if kill_at <= ts < restart_at]
+    minutes: dict[int, list[float]] = {}
+    for ts, x in lag:
+        minutes.setdefault(int((ts - first) // 60), []).append(x)
+    every = [x for _, x in lag]
+    return {
+        "lag_p50_s": pct(every, 50), "lag_p99_s": pct(every, 99), "lag_max_s": max(every),
+        "steady_lag_p50_s": pct(steady, 50), "steady_lag_p99_s": pct(steady, 99), "steady_lag_max_s": max(steady),
+        f"kill_window_{KILL_WINDOW_S}s_lag_p50_s": pct(window, 50), f"kill_window_{KILL_WINDOW_S}s_lag_p99_s":
+            pct(window, 99), f"kill_window_{KILL_WINDOW_S}s_lag_max_s": max(window, default=float("nan")),
+        "sent_while_down": len(outage), "of_which_stored_after_restart": sum(got >= restart_at for _, got in outage),
+        "per_minute_p50/p99/max_s": " | ".join(f"{m}: {pct(xs, 50):.2f}/{pct(xs, 99):.2f}/{max(xs):.1f}"
+                                                for m, xs in sorted(minutes.items())),
+    }
 
 
 def dashboard(broker: Mosquitto, db: str, device: str, work: Path, n: int = 40) -> dict:
@@ -247,7 +352,7 @@ def dashboard(broker: Mosquitto, db: str, device: str, work: Path, n: int = 40) 
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError((work / "serve.log").read_text()[-2000:])
                 time.sleep(0.2)
-        out = {}
+        out = {"load_before": load()}
         for name, path in (("overview", "/"), ("device", f"/devices/{device}"), ("device list", "/devices")):
             times = []
             for _ in range(n):
@@ -257,7 +362,7 @@ def dashboard(broker: Mosquitto, db: str, device: str, work: Path, n: int = 40) 
                     r.read()
                 times.append(time.perf_counter() - t)
             out[name] = {"p50_ms": 1000 * pct(times, 50), "p95_ms": 1000 * pct(times, 95)}
-        out["load"] = load()
+        out["load_after"] = load()
         return out
     finally:
         proc.terminate()
@@ -267,11 +372,13 @@ def dashboard(broker: Mosquitto, db: str, device: str, work: Path, n: int = 40) 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=1000)
-    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--minutes", type=float, default=10.0, help="of the sustained run (0: only the ingest rates)")
     ap.add_argument("--burst", type=int, default=20000, help="telemetry messages per ingest-rate run (0: skip)")
     ap.add_argument("--backend", choices=("postgresql", "sqlite"), default="postgresql",
                     help="fleet DB of the sustained run and the dashboard")
     ap.add_argument("--receivers", type=int, choices=(1, 2), default=2, help="receivers in the sustained run")
+    ap.add_argument("--restart-after", type=float, metavar="S",
+                    help="seconds the killed receiver stays down (default: the fleet unit's RestartSec)")
     args = ap.parse_args()
     if missing_reason():
         print(missing_reason(), file=sys.stderr)
@@ -283,25 +390,36 @@ def main() -> int:
           flush=True)
     try:
         print("\n1. ingest rate (queued telemetry drained by the receivers)")
-        for backend in ("sqlite", "postgresql") if args.burst else ():
-            for n in (1, 2):
-                db = str(work / f"burst-{n}.db") if backend == "sqlite" else pg.create_db()
-                r = burst(broker, db, n, args.burst, work)
-                print(f"   {backend:10s} x{n} receiver{'s' if n > 1 else ' '}: {r['rate']:7.0f} msg/s "
-                      f"({r['stored']} in {r['s']:.1f} s, split {r['split']}); {r['load']}", flush=True)
+        runs = [("sqlite", 1, None, False), ("sqlite", 2, None, False), ("postgresql", 1, None, False),
+                ("postgresql", 2, None, False), ("postgresql", 1, None, True), ("postgresql", 1, 0, True)]
+        base = {}
+        for backend, n, window, live in runs if args.burst else ():
+            db = str(work / f"burst-{n}-{window}-{live}.db") if backend == "sqlite" else pg.create_db()
+            r = burst(broker, db, n, args.burst, work, window, live)
+            ref = base.setdefault((backend, live), r["rate"])
+            label = (f"{backend} x{n} receiver{'s' if n > 1 else ' '}" + (", live" if live else "")
+                     + (", window 20" if window == 0 else ""))
+            print(f"   {label:40s}: {r['rate']:7.0f} msg/s ({r['rate'] / ref:.2f}x; {r['stored']} in {r['s']:.1f} s, "
+                  f"split {r['split']}, messages per batch {r['batch']}); {r['load']}", flush=True)
+        if not args.minutes:
+            return 0
+        down = restart_sec() if args.restart_after is None else args.restart_after
         print(f"\n2. sustained: {args.devices} devices at 1 Hz for {args.minutes:g} min, {args.backend}, "
-              f"{args.receivers} receiver(s) (2: sharing the subscription), one SIGKILLed half-way and restarted 5 s later")
+              f"{args.receivers} receiver(s) (2: sharing the subscription), one SIGKILLed half-way and restarted "
+              f"{down:g} s later" + (" (the unit's RestartSec)" if args.restart_after is None else ""))
         db = pg.create_db() if args.backend == "postgresql" else str(work / "sustained.db")
-        r = sustained(broker, db, args.devices, int(args.minutes * 60), args.receivers, work)
+        r = sustained(broker, db, args.devices, int(args.minutes * 60), args.receivers, work,
+                      pg if args.backend == "postgresql" else None, down)
         for k, v in r.items():
             print(f"   {k}: {v:.3f}" if isinstance(v, float) else f"   {k}: {v}", flush=True)
-        print(f"\n3. dashboard pages with that fleet in the DB (fleet serve, {args.backend})")
+        print(f"\n3. dashboard pages with that fleet in the DB (fleet serve, {args.backend}; target p95 < 300 ms)")
         d = dashboard(broker, db, "sim-load-0001", work)
         for k, v in d.items():
             print(f"   {k}: {v}", flush=True)
     finally:
         broker.stop()
         pg.destroy()
+        print(f"\nfleet_load done; {load()}", flush=True)
     return 0
 
 

@@ -3,16 +3,26 @@ thread (paho-mqtt 2.x, callback API v2).
 
 Loop style: each `Client` owns one thread that drives paho's external-loop API (socket / loop_read /
 loop_write / loop_misc) and also waits on a wake pipe, so that thread alone touches paho and every callback runs
-in it. Other threads hand work over with `wake()` (the handler's `on_tick` runs soon) or `publish_wait()`.
+in it. Other threads hand work over with `wake()` (the handler's `on_tick` runs soon), `call_soon()` (a function
+of the live connection) or `publish_wait()`.
 Each connection attempt gets a fresh paho client: paho then never replays its own in-flight queue after a
 reconnect, so a user that keeps its own queue (the daemon's outbox) decides alone what is resent, and in which
 order.
 
-On every connect the client subscribes its filters again (a new session has none), speaks MQTT 5 first and falls
+On every connect the client subscribes its filters again (a new session has none; with `retained_on_resume=False`
+an MQTT 5 broker sends the retained messages only when the subscription is new, not to a resumed session that
+has had them: mosquitto sends them to shared subscriptions too, so a fleet receiver that reconnects would
+otherwise get every device's retained state again), speaks MQTT 5 first and falls
 back to 3.1.1 for as long as it runs when the broker refuses protocol 5. Reconnects back off exponentially with
 full jitter up to a cap, so a fleet that lost its broker does not come back in lockstep. Messages are dispatched
 to one handler by topic, never by paho's per-filter callbacks (they do not match `$share/...` filters): parse
 the topic with `edgetune.protocol.parse_topic`.
+
+Flow control for a receiver that acknowledges by hand (after storing): `receive_maximum` tells an MQTT 5 broker how
+many QoS 1 messages it may have unacknowledged with us (a broker otherwise applies its own limit, mosquitto's
+max_inflight_messages, 20 by default: a receiver that acks after a commit would store 20-message batches, one per
+round trip), and a handler whose queue is full says so with `accepting()`: the client then stops reading the
+socket until it is woken.
 
 paho is imported only when a client runs, so CLI verbs that merely register their flags pay nothing for it.
 """
@@ -164,6 +174,11 @@ class Handler:
     def on_tick(self, conn: Connection) -> None:
         """Every turn of the loop while connected: after I/O, after `wake()`, and at least once a second."""
 
+    def accepting(self) -> bool:
+        """False while the handler cannot take more messages: the client stops reading the socket (the broker keeps
+        the rest) until it is woken and this is True again."""
+        return True
+
     def on_disconnect(self) -> None:
         """The connection (or an attempt) ended; everything not acknowledged is in doubt."""
 
@@ -180,12 +195,14 @@ class Client:
 
     def __init__(self, settings: BrokerSettings, client_id: str, handler: Handler, *,
                  subscriptions: Sequence[str] = (), session_expiry_s: int = 0,
-                 will: Callable[[], Will] | None = None, manual_ack: bool = False, name: str = "mqtt"):
+                 will: Callable[[], Will] | None = None, manual_ack: bool = False, receive_maximum: int | None = None,
+                 retained_on_resume: bool = True, name: str = "mqtt"):
         if not settings.host:
             raise BadInput("no broker host configured")
         self.settings, self.client_id, self.handler = settings, client_id, handler
         self.subscriptions = tuple(subscriptions)
         self.session_expiry_s, self._will, self._manual_ack = session_expiry_s, will, manual_ack
+        self.receive_maximum, self.retained_on_resume = receive_maximum, retained_on_resume
         self.protocol = settings.protocol
         self.connected = False
         self.connects = 0
@@ -222,6 +239,12 @@ class Client:
             os.write(self._wake_w, b"!")
         except BlockingIOError:  # already woken
             pass
+
+    def call_soon(self, fn: Callable[[Connection], None]) -> None:
+        """Run fn(conn) in the client's thread on the live connection: soon, or after the next connect (fn may
+        compare `conn` with the connection it expects, e.g. to acknowledge only on the one a message came on)."""
+        self._calls.put(fn)
+        self.wake()
 
     def drop(self, hold_s: float = 0.0) -> None:
         """End this connection cleanly and reconnect after a backoff, at least `hold_s` (a persistent session is
@@ -262,8 +285,7 @@ class Client:
             else:
                 self._waiters[mid] = settle
 
-        self._calls.put(send)
-        self.wake()
+        self.call_soon(send)
         if not done.wait(timeout):
             raise BrokerError(f"broker {self.settings.label} did not acknowledge the message within {timeout:.0f} s")
         if outcome[0]:
@@ -349,6 +371,8 @@ class Client:
         props = Properties(PacketTypes.CONNECT)
         delay = self.settings.will_delay_s if self._will is not None else 0
         props.SessionExpiryInterval = max(self.session_expiry_s, delay)
+        if self.receive_maximum:
+            props.ReceiveMaximum = self.receive_maximum
         return props
 
     def _serve(self, client: paho.Client) -> None:
@@ -362,20 +386,23 @@ class Client:
                     self._error(self._closed_before_connack())
                 return
             if self._stop.is_set() or self._drop:
+                if self._conn is not None:
+                    self._run_calls(self._conn)  # e.g. acknowledgements of what was stored meanwhile
                 self._disconnect(client)
                 return
             if not self.connected and time.monotonic() > deadline:
                 self._error(f"no CONNACK from broker {self.settings.label} within {CONNECT_TIMEOUT_S:.0f} s")
                 return
             pending = getattr(sock, "pending", lambda: 0)()  # TLS may hold decrypted bytes select cannot see
-            r, w, _ = select.select([sock, self._wake_r], [sock] if client.want_write() else [], [],
-                                    0 if pending else 1.0)
+            reading = [sock] if self.handler.accepting() else []
+            r, w, _ = select.select([*reading, self._wake_r], [sock] if client.want_write() else [], [],
+                                    0 if pending and reading else 1.0)
             if self._wake_r in r:
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-            if sock in r or pending:
+            if sock in r or (pending and reading):
                 client.loop_read()
             if w and client.socket() is not None:
                 client.loop_write()
@@ -390,13 +417,16 @@ class Client:
         return f"broker {s.label} closed the connection before answering (no CONNACK){hint}"
 
     def _tick(self, conn: Connection) -> None:
+        self._run_calls(conn)
+        self.handler.on_tick(conn)
+
+    def _run_calls(self, conn: Connection) -> None:
         while True:
             try:
                 call = self._calls.get_nowait()
             except queue.Empty:
-                break
+                return
             call(conn)
-        self.handler.on_tick(conn)
 
     def _disconnect(self, client: paho.Client) -> None:
         """A normal DISCONNECT: the broker drops the will and keeps a persistent session."""
@@ -447,11 +477,18 @@ class Client:
         log.info("mqtt: connected to %s (MQTT %s, session %s)", self.settings.label, self.protocol,
                  "resumed" if session else "new")
         if self.subscriptions:  # every connect: a new session has no subscriptions
-            client.subscribe([(f, QOS) for f in self.subscriptions])
+            client.subscribe([(f, self._subscribe_options()) for f in self.subscriptions])
         else:
             self._set_ready()
         self.attempted.set()
         self.handler.on_connect(self._conn, session)
+
+    def _subscribe_options(self) -> Any:
+        if self.protocol != "5" or self.retained_on_resume:
+            return QOS
+        from paho.mqtt.subscribeoptions import SubscribeOptions
+
+        return SubscribeOptions(qos=QOS, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB)
 
     def _subscribed(self, _c: paho.Client, _ud: Any, _mid: int, reasons: Any, _props: Any) -> None:
         bad = [r for r in reasons if r.is_failure]

@@ -140,8 +140,8 @@ def cmd_listen(args: argparse.Namespace) -> int:
             pruner.stop()
         counts = listener.store.counts() if listener.alarm is None else {"devices": "?", "records": "?"}
         listener.store.close()
-    emit({"db": str(listener.store.path), "messages": dict(listener.counts), "stored": counts,
-          "alarm": listener.alarm}, args.json,
+    emit({"db": str(listener.store.path), "messages": dict(listener.counts), "batches": listener.stats(),
+          "stored": counts, "alarm": listener.alarm}, args.json,
          lambda d: err_console.print(f"stopped; {d['messages'].get('messages', 0)} messages this run, "
                                      f"{counts['devices']} devices and {counts['records']} records in {d['db']}"
                                      + (f"; the fleet DB was failing: {d['alarm']}" if d["alarm"] else "")))
@@ -190,7 +190,7 @@ def _gaps(g: dict | None) -> str:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _open_existing(args.db) as store:
-        summary = next((d for d in store.devices() if d["id"] == args.device), None)
+        summary = next(iter(store.devices(device=args.device)), None)
         if summary is None:
             raise EdgetuneError(f"no device {args.device!r} in {store.path}; see `edgetune fleet devices`")
         store.expire_commands(time.time())

@@ -3,8 +3,9 @@
 Topics and payloads follow the wire protocol (edgetune.protocol, docs/protocol.md). Validation is lenient about extra or missing
 optional fields and strict only where storage needs it (a status state, a telemetry seq, a record's kernel and
 workload, a response status). Anything else that is wrong with a payload makes it "malformed": logged, noted in
-the `malformed` table and skipped. `ingest` never raises for a payload; it raises only `DBError` (disk full, DB
-locked, damaged pages), which the listener treats as "do not acknowledge, retry later".
+the `malformed` table and skipped. `ingest` (one message) and `ingest_batch` (many, in one transaction) never
+raise for a payload; they raise only `DBError` (disk full, DB locked, damaged pages), which the listener treats as
+"do not acknowledge, retry later".
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from edgetune import protocol as wire
 from edgetune.protocol import CMD_RES, COMMAND_STATES, STATUS_STATES, TERMINAL_STATES, ProtocolError
 from edgetune.sqlite import DBError
 from fleet import rollout_store
-from fleet.store import FleetStore
+from fleet.store import FleetStore, Sample
 
 log = logging.getLogger("fleet.ingest")
 
 SUBSCRIPTION = wire.topic_filter()
+Incoming = tuple[str, bytes, bool]  # a message as the listener hands it over: topic, payload, retained
+OTHERS_PER_TX = 50  # non-telemetry messages per transaction: they hold their devices' rows until its commit
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 
 
@@ -209,7 +212,8 @@ def _record(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
     return Outcome("record", device, detail, ack=wire.record_ack_key(rid) if rid else None)
 
 
-def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _sample(device: str, payload: bytes, retained: bool, now: float) -> tuple[Sample, float | None]:
+    """A telemetry payload, validated, and the device's last-seen time it proves; Malformed when it cannot be."""
     obj = wire.decode(payload, wire.TELEMETRY.sub)
     seq = _int(obj.get("seq"))
     if seq is None:
@@ -218,7 +222,12 @@ def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retaine
          "state": _text(obj.get("state"), 50)}
     for k in ("cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss"):
         t[k] = _num(obj.get(k))
-    new = store.put_telemetry(device, t, obj, now, _seen(t["ts"], retained, now))
+    return Sample(device, t, obj), _seen(t["ts"], retained, now)
+
+
+def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    x, seen = _sample(device, payload, retained, now)
+    new = store.put_telemetry(device, x.fields, x.payload, now, seen)
     return Outcome("telemetry", device, "new" if new else "duplicate")
 
 
@@ -266,22 +275,123 @@ _HANDLERS: dict[wire.TopicSpec, Handler] = {
 
 
 def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False, now: float | None = None) -> Outcome:
-    """Store one message. Never raises for a bad topic or payload; raises DBError only."""
+    """Store one message in its own transaction. Never raises for a bad topic or payload; raises DBError only."""
     now = time.time() if now is None else now
     payload = bytes(payload or b"")
-    device = None
     try:
-        parsed = wire.parse_topic(topic)
-        device = parsed.device_id
-        handler = _HANDLERS.get(parsed.spec) if parsed.spec else None
-        if handler is None:
-            log.debug("ignoring %s: not a topic this fleet receiver knows", topic)
-            return Outcome("ignored", device, parsed.sub)
-        return handler(store, device, parsed.sub, payload, retained, now)
+        return _dispatch(store, topic, payload, retained, now)
     except DBError:
         raise  # the DB, not the payload: the caller retries
     except Exception as e:  # Malformed, or whatever else an odd payload provoked: skip it, keep running
-        err = str(e) if isinstance(e, ProtocolError) else f"{type(e).__name__}: {str(e)[:300]}"
-        log.warning("skipped a malformed message on %s: %s", topic[:300], err)
-        store.put_malformed(device, topic[:1000], err, payload, now)
-        return Outcome("malformed", device, error=err)
+        return _malformed(store, topic, payload, now, e)
+
+
+def ingest_batch(store: FleetStore, messages: Sequence[Incoming], now: float | None = None) -> list[Outcome]:
+    """Store many messages with the outcomes `ingest` gives each in turn, in few transactions (FleetStore.batch):
+    the telemetry, nearly all of the traffic, in one, validated before it opens and inserted with one statement,
+    its devices touched last (the rows other receivers wait for stay locked only until the commit); the other
+    messages in transactions of at most OTHERS_PER_TX, each touching its devices first, so that a burst of
+    announcements does not hold every device row for seconds. Raises DBError only (what committed before stays:
+    every write is idempotent or deduplicated, so the redelivery is harmless).
+
+    A value the database refuses (PostgreSQL text cannot hold NUL) aborts a whole transaction, and which message
+    held it is not known: those messages are then stored one per transaction, so that one is skipped as malformed
+    and the others are stored."""
+    now = time.time() if now is None else now
+    messages = [(topic, bytes(payload or b""), retained) for topic, payload, retained in messages]
+    plans = [_plan(topic, payload, retained, now) for topic, payload, retained in messages]
+    out: list[Outcome | None] = [None] * len(messages)
+    others = [i for i, p in enumerate(plans) if p.sample is None]
+    for k in range(0, len(others), OTHERS_PER_TX):
+        _transaction(store, _store_others, others[k:k + OTHERS_PER_TX], messages, plans, out, now)
+    telemetry = [i for i, p in enumerate(plans) if p.sample is not None]
+    if telemetry:
+        _transaction(store, _store_telemetry, telemetry, messages, plans, out, now)
+    return out  # type: ignore[return-value]  # every slot is filled
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a batch knows about a message before its transaction: the device it is about (None: no device row to
+    touch), and for telemetry the validated sample or why it is malformed."""
+
+    device: str | None
+    sample: Sample | None = None
+    seen: float | None = None
+    error: Exception | None = None
+
+
+def _plan(topic: str, payload: bytes, retained: bool, now: float) -> _Plan:
+    try:
+        parsed = wire.parse_topic(topic)
+    except Exception:
+        return _Plan(None)  # stored as malformed inside the batch
+    if parsed.spec not in _HANDLERS:
+        return _Plan(None)
+    if parsed.spec is not wire.TELEMETRY:
+        return _Plan(parsed.device_id)
+    try:
+        x, seen = _sample(parsed.device_id, payload, retained, now)
+    except Exception as e:
+        return _Plan(None, error=e)
+    return _Plan(parsed.device_id, x, seen)
+
+
+def _transaction(store: FleetStore, write: Callable[..., None], idx: list[int], messages: list[Incoming],
+                 plans: list[_Plan], out: list[Outcome | None], now: float) -> None:
+    try:
+        with store.batch():
+            write(store, idx, messages, plans, out, now)
+    except DBError:
+        raise
+    except Exception as e:
+        log.warning("the fleet DB refused a batch of %d messages (%s: %s); storing them one at a time",
+                    len(idx), type(e).__name__, str(e)[:200])
+        for i in idx:
+            out[i] = ingest(store, *messages[i], now)
+
+
+def _store_others(store: FleetStore, idx: list[int], messages: list[Incoming], plans: list[_Plan],
+                  out: list[Outcome | None], now: float) -> None:
+    store.touch_devices({plans[i].device: None for i in idx if plans[i].device is not None}, now)
+    for i in idx:
+        topic, payload, retained = messages[i]
+        if plans[i].error is not None:
+            out[i] = _malformed(store, topic, payload, now, plans[i].error)
+            continue
+        try:
+            out[i] = _dispatch(store, topic, payload, retained, now)
+        except ProtocolError as e:  # raised by validation, before the handler wrote anything
+            out[i] = _malformed(store, topic, payload, now, e)
+
+
+def _store_telemetry(store: FleetStore, idx: list[int], messages: list[Incoming], plans: list[_Plan],
+                     out: list[Outcome | None], now: float) -> None:
+    samples = [plans[i].sample for i in idx]
+    for i, x, new in zip(idx, samples, store.put_telemetry_many(samples, now)):
+        out[i] = Outcome("telemetry", x.device, "new" if new else "duplicate")
+    seen: dict[str, float | None] = {}
+    for i in idx:
+        p = plans[i]
+        seen[p.device] = max((t for t in (seen.get(p.device), p.seen) if t is not None), default=None)
+    store.touch_devices(seen, now)  # last: the device rows stay locked only until the commit that follows
+
+
+def _dispatch(store: FleetStore, topic: str, payload: bytes, retained: bool, now: float) -> Outcome:
+    parsed = wire.parse_topic(topic)
+    handler = _HANDLERS.get(parsed.spec) if parsed.spec else None
+    if handler is None:
+        log.debug("ignoring %s: not a topic this fleet receiver knows", topic)
+        return Outcome("ignored", parsed.device_id, parsed.sub)
+    return handler(store, parsed.device_id, parsed.sub, payload, retained, now)
+
+
+def _malformed(store: FleetStore, topic: str, payload: bytes, now: float, e: Exception) -> Outcome:
+    err = str(e) if isinstance(e, ProtocolError) else f"{type(e).__name__}: {str(e)[:300]}"
+    log.warning("skipped a malformed message on %s: %s", topic[:300], err)
+    try:
+        device = wire.parse_topic(topic).device_id
+    except Exception:
+        device = None
+    store.put_malformed(device, topic[:1000], err, payload, now)
+    return Outcome("malformed", device, error=err)

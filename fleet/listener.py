@@ -4,11 +4,25 @@
   (`edgetune-fleet-<hostname>`), so the broker queues messages while the listener is down. With a share group
   it subscribes `$share/<group>/edgetune/v1/+/#` instead (MQTT 5 shared subscription): the broker hands each
   message to one of the receivers in the group, which then write to one PostgreSQL (each needs its own client id).
-- Acknowledges a message (manual PUBACK) only after its transaction committed. When the DB cannot be written
-  (disk full, locked, damaged pages: any DBError, which is never a payload's fault), it stops acknowledging,
-  raises the alarm (`alarm` holds the error, `counts["retry"]` counts the failures, the log says it once per
-  outage), reconnects after a backoff of at most DB_BACKOFF_MAX_S and gets the messages again; the first message
-  stored afterwards clears the alarm.
+  mosquitto keeps dealing a share to a member that is away (its persistent session queues it), so what a killed
+  receiver was sent waits for it to come back: restart it promptly. The retained messages (every device's status,
+  info, config/active) come with a new subscription only, not again on each reconnect of a resumed session (MQTT 5
+  Retain Handling 1): a receiver restarted beside a large fleet would otherwise re-store them all before its
+  backlog. A new fleet DB under an old session therefore gets no retained state: give it a new client id.
+- Two threads: the broker client's only enqueues what arrives; a writer takes what is queued (up to BATCH_MAX,
+  waiting at most BATCH_LINGER_S for more, so a lone message is not held up), stores it (fleet.ingest.ingest_batch:
+  the telemetry in one transaction, the rest in small ones), and then hands the acknowledgements back to the
+  client's thread: the protocol acks, then a manual PUBACK of exactly those messages, on the connection they came
+  on. Nothing is acknowledged before its transaction committed.
+- Flow control: the listener asks the broker (MQTT 5 Receive Maximum) for at most RECEIVE_MAXIMUM unacknowledged
+  messages, which is what a batch can grow to while the previous one commits (a client that does not ask gets the
+  broker's own limit: mosquitto's max_inflight_messages, 20 by default, which mosquitto 2.0.11 keeps strictly
+  only until acknowledgements flow). The queue holds at most QUEUE_MAX; when it is full (a broker that ignores
+  the limit, MQTT 3.1.1) the client stops reading until the writer catches up.
+- When the DB cannot be written (disk full, locked, unreachable, damaged pages: any DBError, which is never a
+  payload's fault), it stops acknowledging, raises the alarm (`alarm` holds the error, `counts["retry"]` counts
+  the failures, the log says it once per outage), drops what is queued, reconnects after a backoff of at most
+  DB_BACKOFF_MAX_S and gets the unacknowledged messages again; the first batch stored afterwards clears the alarm.
 - A malformed payload is logged, noted in the `malformed` table, acknowledged and skipped: it never stops the
   listener.
 - End-to-end delivery: after committing a tuning record or a final command response it publishes the protocol
@@ -20,8 +34,8 @@
   broker's queue for us fills while we are away), resubscribes on every connect, speaks MQTT 5 and falls back to
   3.1.1 when the broker refuses 5.
 
-`Listener(...).start()` runs it in the client's thread (tests); `run()` blocks until `request_stop()` (the CLI,
-with signals).
+`Listener(...).start()` runs it in its threads (tests); `run()` blocks until `request_stop()` (the CLI, with
+signals).
 """
 
 from __future__ import annotations
@@ -30,15 +44,14 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Callable
 
 from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message, backoff
-from edgetune.protocol import Topics, encode
-from edgetune.sqlite import DBError
-from edgetune.protocol import topic_filter
-from fleet.ingest import SUBSCRIPTION, Outcome, ingest
+from edgetune.protocol import Topics, encode, topic_filter
+from edgetune.sqlite import DBBusy, DBError
+from fleet.ingest import SUBSCRIPTION, Outcome, ingest_batch
 from fleet.mqtt import hostname
 from fleet.store import open_fleet_store
 
@@ -48,10 +61,21 @@ DEFAULT_SESSION_EXPIRY_S = 7 * 24 * 3600  # the broker keeps our queue this long
 RECONNECT_MAX_S = 5.0  # reconnect backoff cap: every second away is queued at the broker, up to its limit
 DB_BACKOFF_MAX_S = 5.0  # a DB that fails is retried at least this often
 EXPIRE_EVERY_S = 10.0
+RECEIVE_MAXIMUM = 2000  # unacknowledged messages the broker may have out to us (MQTT 5)
+QUEUE_MAX = RECEIVE_MAXIMUM  # messages waiting for the writer before the client stops reading
+BATCH_MAX = 1000  # messages per transaction
+BATCH_LINGER_S = 0.005  # how long a batch waits for company once it has a message
+TX_SAMPLES = 4096  # recent batch durations kept for `stats`
 
 
 def default_client_id() -> str:
     return f"edgetune-fleet-{hostname()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Received:
+    conn: Connection  # the connection it came on: its PUBACK means nothing on another
+    msg: Message
 
 
 class Listener(Handler):
@@ -59,11 +83,12 @@ class Listener(Handler):
                  session_expiry_s: int = DEFAULT_SESSION_EXPIRY_S, on_outcome: Callable[[Outcome], None] | None = None,
                  share: str | None = None):
         self.settings = dataclasses.replace(settings, reconnect_max_s=min(settings.reconnect_max_s, RECONNECT_MAX_S))
-        self.store = open_fleet_store(db, threads=True)  # used only by the client's thread once started
+        self.store = open_fleet_store(db, threads=True)  # used only by the writer thread once started
         self.client_id = client_id or default_client_id()
         self.subscription = topic_filter(share=share) if share else SUBSCRIPTION
         self.client = Client(self.settings, self.client_id, self, subscriptions=(self.subscription,),
-                             session_expiry_s=session_expiry_s, manual_ack=True, name="fleet-listener")
+                             session_expiry_s=session_expiry_s, manual_ack=True, receive_maximum=RECEIVE_MAXIMUM,
+                             retained_on_resume=False, name="fleet-listener")
         self.alarm: str | None = None  # the fleet DB's error while it cannot store; None when it works
         self._db_failures = 0
         self._expired_at = 0.0
@@ -71,38 +96,59 @@ class Listener(Handler):
         self.counts: Counter[str] = Counter()
         self.connected = threading.Event()
         self.subscribed = threading.Event()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards counts
         self._stop = threading.Event()
-        self._retry = False  # a DB write failed: ack nothing more, reconnect, get the unacked messages again
+        self._queue: deque[_Received] = deque()
+        self._queued = threading.Condition()  # guards _queue and _retry
+        self._retry = False  # a DB write failed: take nothing more until the reconnect brings it all again
+        self._tx_s: deque[float] = deque(maxlen=TX_SAMPLES)
+        self._batch_max = 0
+        self._writer = threading.Thread(target=self._write_loop, name="fleet-writer", daemon=True)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> "Listener":
         log.info("fleet listener %s → %s, client id %s, db %s", self.settings.label, self.subscription,
                  self.client_id, self.store.path)
+        self._writer.start()
         self.client.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self._halt(timeout):
+            self.store.close()
+
+    def _halt(self, timeout: float) -> bool:
+        """The writer finishes its batch (what is still queued stays unacknowledged: the broker sends it again),
+        then the client sends the acknowledgements handed to it and disconnects. False if a thread hung."""
         self._stop.set()
+        with self._queued:
+            self._queued.notify_all()
+        if self._writer.is_alive():
+            self._writer.join(timeout)
         self.client.stop(timeout)
-        if self.client.alive():
-            log.warning("fleet listener thread did not stop within %.0f s", timeout)
-            return
-        self.store.close()
+        if self.client.alive() or self._writer.is_alive():
+            log.warning("fleet listener threads did not stop within %.0f s", timeout)
+            return False
+        return True
 
     def request_stop(self) -> None:
         """Safe from a signal handler: `run` notices within its poll interval and disconnects cleanly."""
         self._stop.set()
 
     @property
+    def backlog(self) -> int:
+        """Messages received and waiting for the writer (unacknowledged)."""
+        return len(self._queue)
+
+    @property
     def alive(self) -> bool:
-        return self.client.alive()
+        return self.client.alive() and self._writer.is_alive()
 
     def wait_for(self, predicate: Callable[[Counter], bool], timeout: float) -> bool:
         """Block until predicate(counts) holds, or timeout. Counts: messages, <kind>, <kind>:<detail> (e.g.
         record:duplicate), retry (DB writes that failed and will come again), acks (sent to devices), expired,
-        subscribes (one per connect)."""
+        subscribes (one per connect), batches (transactions that stored messages)."""
         with self._cond:
             return self._cond.wait_for(lambda: predicate(self.counts), timeout)
 
@@ -111,29 +157,126 @@ class Listener(Handler):
         self.start()
         while not self._stop.wait(0.2):
             pass
-        self.client.stop()
+        self._halt(10.0)
         log.info("fleet listener stopped: %s", dict(self.counts))
+
+    def stats(self) -> dict:
+        """Batches so far and the duration of recent ones (transactions through commit), for `fleet listen --json`."""
+        tx = sorted(self._tx_s)
+        at = lambda q: round(1000 * tx[min(len(tx) - 1, int(q * len(tx)))], 1) if tx else None  # noqa: E731
+        batches = self.counts["batches"]
+        per = round(self.counts["messages"] / batches, 1) if batches else None
+        return {"batches": batches, "messages_per_batch": per,
+                "batch_max": self._batch_max, "tx_ms_p50": at(0.5), "tx_ms_p99": at(0.99), "tx_ms_max": at(1.0)}
 
     # ---- the broker client's callbacks (its thread) --------------------------------------------------------
 
     def on_connect(self, conn: Connection, session_present: bool) -> None:
-        self._retry = False
+        with self._queued:
+            self._retry = False
         self.connected.set()
 
     def on_subscribe(self, conn: Connection, error: str | None) -> None:
         if error:
             return  # the client logged it
         log.debug("subscribed to %s", self.subscription)
-        with self._cond:
-            self.counts["subscribes"] += 1  # one per (re)connect
-            self._cond.notify_all()
+        self._count(subscribes=1)
         self.subscribed.set()
 
     def on_disconnect(self) -> None:
         self.connected.clear()
         self.subscribed.clear()
 
-    def on_tick(self, conn: Connection) -> None:
+    def on_message(self, conn: Connection, msg: Message) -> None:
+        with self._queued:
+            if self._retry:
+                return  # not acknowledged: the broker sends it again after the reconnect, in order
+            self._queue.append(_Received(conn, msg))
+            if len(self._queue) in (1, BATCH_MAX):  # the writer waits for a first message, or lingers for a batch
+                self._queued.notify()
+
+    def accepting(self) -> bool:
+        return self.backlog < QUEUE_MAX
+
+    def _acknowledge(self, batch: list[_Received], outcomes: list[Outcome], conn: Connection) -> None:
+        """After the commit: the protocol acks, then the PUBACKs of the messages that came on this connection
+        (the others will come again, and are stored once)."""
+        acks = 0
+        for r, out in zip(batch, outcomes):
+            if out.ack and out.device:
+                # before the PUBACK: if we die in between, the device's resend gets a duplicate, which is acked again
+                acks += conn.publish(Topics(out.device).ack, encode({"keys": [out.ack], "ts": time.time()})) is not None
+            if r.conn is conn:
+                conn.ack(r.msg)
+        if acks:
+            self._count(acks=acks)
+
+    # ---- the writer thread ---------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._write_once()
+            except Exception:  # a bug must cost what was taken (unacknowledged, so it comes again), not the writer
+                log.exception("the fleet writer failed; getting the unacknowledged messages again")
+                self._retry_later("internal error in the writer")
+
+    def _write_once(self) -> None:
+        batch = self._take()
+        if self._stop.is_set():
+            return  # what was taken stays unacknowledged: the broker sends it again
+        self._expire_due()
+        if batch:
+            self._store(batch)
+
+    def _take(self) -> list[_Received]:
+        """Up to BATCH_MAX queued messages: waits for the first (at most a second, for the periodic work), then at
+        most BATCH_LINGER_S for more (woken early only by a full batch: a wake-up per message costs more CPU than
+        storing it)."""
+        with self._queued:
+            if not self._queued.wait_for(lambda: self._queue or self._stop.is_set(), 1.0):
+                return []
+            if len(self._queue) < BATCH_MAX:
+                self._queued.wait(BATCH_LINGER_S)
+            full = len(self._queue) >= QUEUE_MAX
+            batch = [self._queue.popleft() for _ in range(min(BATCH_MAX, len(self._queue)))]
+        if full:
+            self.client.wake()  # it stopped reading; there is room again
+        return batch
+
+    def _store(self, batch: list[_Received]) -> None:
+        t0 = time.monotonic()
+        messages = [(r.msg.topic, r.msg.payload, r.msg.retain) for r in batch]
+        try:
+            try:
+                outcomes = ingest_batch(self.store, messages)
+            except DBBusy as e:  # a deadlock the database broke, or a lock wait that timed out: once more, at once
+                log.info("retrying a batch of %d: %s", len(batch), e)
+                outcomes = ingest_batch(self.store, messages)
+        except DBError as e:
+            self._db_failed(e, f"storing {len(batch)} message(s)")
+            return
+        self._tx_s.append(time.monotonic() - t0)
+        if self.alarm is not None:
+            log.warning("fleet DB %s works again after %d failed attempt(s); storing and acknowledging",
+                        self.store.path, self._db_failures)
+            self.alarm, self._db_failures = None, 0
+        self.client.call_soon(lambda conn: self._acknowledge(batch, outcomes, conn))
+        self._batch_max = max(self._batch_max, len(batch))
+        counts = Counter(messages=len(batch), batches=1)
+        for out in outcomes:
+            counts[out.kind] += 1
+            if out.detail:
+                counts[f"{out.kind}:{out.detail}"] += 1
+        self._count(**counts)
+        if self.on_outcome is not None:
+            for out in outcomes:
+                try:
+                    self.on_outcome(out)
+                except Exception:
+                    log.exception("on_outcome callback failed")
+
+    def _expire_due(self) -> None:
         now = time.monotonic()
         if self._retry or now - self._expired_at < EXPIRE_EVERY_S:
             return
@@ -145,34 +288,7 @@ class Listener(Handler):
             return
         if n:
             log.info("%d command(s) expired unanswered", n)
-            self._count("expired", None, n, messages=False)
-
-    def on_message(self, conn: Connection, msg: Message) -> None:
-        if self._retry:
-            return  # not acknowledged: the broker sends it again after the reconnect, in order
-        try:
-            out = ingest(self.store, msg.topic, msg.payload, msg.retain)
-        except DBError as e:
-            self._db_failed(e, f"storing {msg.topic}")
-            return
-        except Exception:  # ingest catches payload errors itself; this is a bug, but never a crash
-            log.exception("unexpected error storing %s; skipping it", msg.topic)
-            out = Outcome("malformed", None, error="internal error")
-        if self.alarm is not None:
-            log.warning("fleet DB %s works again after %d failed attempt(s); storing and acknowledging",
-                        self.store.path, self._db_failures)
-            self.alarm, self._db_failures = None, 0
-        if out.ack and out.device:
-            # before the PUBACK: if we die in between, the device's resend gets a duplicate, which is acked again
-            if conn.publish(Topics(out.device).ack, encode({"keys": [out.ack], "ts": time.time()})) is not None:
-                self._count("acks", None, messages=False)
-        conn.ack(msg)
-        self._count(out.kind, out.detail)
-        if self.on_outcome is not None:
-            try:
-                self.on_outcome(out)
-            except Exception:
-                log.exception("on_outcome callback failed")
+            self._count(expired=n)
 
     def _db_failed(self, e: DBError, doing: str) -> None:
         """Stop acknowledging, alarm, and reconnect after a backoff: the broker sends the unacknowledged again."""
@@ -181,15 +297,18 @@ class Listener(Handler):
             log.error("ALARM fleet DB %s failed %s (%s); acknowledging nothing until it works again, retrying "
                       "every few seconds", self.store.path, doing, e)
         self.alarm = str(e)
-        self._retry = True
-        self._count("retry", None, messages=False)
-        self.client.drop(backoff(self._db_failures, self.settings.reconnect_min_s, DB_BACKOFF_MAX_S))
+        self._count(retry=1)
+        self._retry_later(str(e))
 
-    def _count(self, kind: str, detail: str | None, n: int = 1, *, messages: bool = True) -> None:
+    def _retry_later(self, why: str) -> None:
+        """Drop what is queued (unacknowledged) and reconnect after a backoff, to be sent it all again."""
+        with self._queued:
+            self._retry = True
+            self._queue.clear()
+        log.debug("reconnecting to get the unacknowledged messages again: %s", why)
+        self.client.drop(backoff(max(1, self._db_failures), self.settings.reconnect_min_s, DB_BACKOFF_MAX_S))
+
+    def _count(self, **n: int) -> None:
         with self._cond:
-            if messages:
-                self.counts["messages"] += 1
-            self.counts[kind] += n
-            if detail:
-                self.counts[f"{kind}:{detail}"] += 1
+            self.counts.update(n)
             self._cond.notify_all()

@@ -234,8 +234,7 @@ def put_model_state(store: FleetStore, device: str, doc: dict, fields: dict, now
     `fields` holds the validated state, rollout_id, phase, version, reason, detail and ts. A report older than
     the stored one (by the device's ts) changes nothing: the retained copy comes again on every reconnect."""
     f = fields
-    with store.tx() as c:
-        store._touch(c, device, now, seen)  # the device row first, as every fleet DB write (fleet.store)
+    with store.device_write(device, now, seen) as c:  # the listener's batch, if this runs inside one
         c.execute("INSERT INTO model_states (device_id, state, rollout_id, phase, version, reason, detail, ts,"
                   " doc_json, received_at) VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT(device_id) DO UPDATE SET"
                   " state=excluded.state, rollout_id=excluded.rollout_id, phase=excluded.phase,"

@@ -8,24 +8,32 @@ retained message seen again after a reconnect, or an outbox re-send never counts
 - telemetry by (device, boot_id, seq);
 - status history by (device, state, session, ts).
 
-Every write is one transaction that commits before the listener acknowledges the message to the broker.
+Every write is one transaction that commits before the listener acknowledges the message to the broker; the
+listener stores many messages in one transaction (`batch`: the put_* methods called inside join it), so a commit,
+and its fsync, is paid per batch rather than per message.
 The schema is versioned with PRAGMA user_version and tagged with PRAGMA application_id (on PostgreSQL: a metadata
 table, see fleet.db).
 
-Several receivers may write to one PostgreSQL at once (MQTT shared subscriptions split the messages between
-them). That is safe without application locks: every write first upserts the device row (`_touch`), which
-row-locks it until commit, so two transactions about one device run one after the other; and every insert that
-could arrive twice carries a unique constraint and `ON CONFLICT DO NOTHING`, so a copy that races its twin is
-dropped by the database, not by an earlier read.
+Several receivers may write to one PostgreSQL at once (MQTT shared subscriptions split the messages between them).
+That is safe without application locks: every write first upserts the device row (`device_write`, the one way a
+received message is written, fleet.rollout_store's model/state included), which row-locks it until commit, so two
+transactions about one device run one after the other; and every insert that could arrive twice carries a unique
+constraint and `ON CONFLICT DO NOTHING`, so a copy that races its twin is dropped by the database, not by an
+earlier read. A batch about many devices touches their rows all at once, in sorted order (`touch_devices`), so two
+receivers' batches wait for each other instead of deadlocking; a batch of telemetry only does that last, just
+before its commit, so the rows every sample updates stay locked for the least time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator, Mapping, Sequence
 
 from edgetune import paths
 from edgetune.protocol import EXPIRED, TERMINAL_STATES
@@ -162,6 +170,33 @@ FIX = "move it aside (rename it) or pass --db with another path"
 PRUNE_BATCH = 5000  # telemetry rows deleted per transaction, so a prune never holds the writers up for long
 
 
+TOUCH_SQL = (  # create the device row if new; last_seen moves forward only, last_received to now
+    "INSERT INTO devices (id, first_seen, last_seen, last_received) VALUES (?,?,?,?) "
+    "ON CONFLICT(id) DO UPDATE SET last_received=excluded.last_received, last_seen=CASE "
+    " WHEN excluded.last_seen IS NULL THEN devices.last_seen"
+    " WHEN devices.last_seen IS NULL OR excluded.last_seen > devices.last_seen THEN excluded.last_seen"
+    " ELSE devices.last_seen END")
+# A batch moves last_seen / last_received only by steps of at least this: 1 Hz telemetry then rewrites a device's
+# row (the hottest in the DB, holding its info and active documents) every few seconds instead of every second.
+# A dashboard that calls a device stale after minutes loses nothing by it.
+TOUCH_STEP_S = 5.0
+BATCH_TOUCH_SQL = TOUCH_SQL + (
+    f" WHERE devices.last_received < excluded.last_received - {TOUCH_STEP_S}"
+    f" OR excluded.last_seen > coalesce(devices.last_seen, 0) + {TOUCH_STEP_S}")
+SUMMARY_FIELDS = ("id", "state", "session", "version", "last_seen", "state_changed_at", "first_seen", "cpu_model",
+                  "arch", "isa", "vector_bits", "cores", "hw_fingerprint", "fw_fingerprint", "model_version")
+TELEMETRY_FIELDS = ("boot_id", "seq", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One telemetry message, validated: `fields` holds TELEMETRY_FIELDS, `payload` the message as received."""
+
+    device: str
+    fields: dict
+    payload: dict
+
+
 def default_path() -> Path:
     return paths.state_dir() / "fleet.db"
 
@@ -186,28 +221,62 @@ class FleetStore(Store):
 
     SCHEMA = Schema("fleet DB", APP_ID, tuple(MIGRATIONS))
 
+    _batch: tuple[int, Any] | None = None  # (thread, connection) of the open batch transaction
+
     def __init__(self, path: Path | str | None = None, *, threads: bool = False):
         # FULL: a commit is on disk before the listener acks the message to the broker
         super().__init__(Path(path) if path else default_path(), synchronous="FULL", threads=threads, fix=FIX)
 
-    # ---- writes (each one transaction) ---------------------------------------------------------------------
+    # ---- transactions --------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """One transaction for many writes: the put_* methods called inside it, in this thread, join it."""
+        with self.tx() as c:
+            self._batch = (threading.get_ident(), c)
+            try:
+                yield
+            finally:
+                self._batch = None
+
+    def touch_devices(self, devices: Mapping[str, float | None], now: float) -> None:
+        """`_touch` every device of a batch (each one's newest last_seen, or None) in steps of TOUCH_STEP_S, in
+        sorted order: that row-locks them until the commit in the same order in every receiver, so receivers
+        sharing one PostgreSQL wait for each other but never deadlock. Call it before any other write in the
+        transaction that touches a device."""
+        with self._write() as c:
+            self._touch_many(c, sorted(devices.items()), now)
+
+    def _write(self) -> ContextManager[Any]:
+        """The transaction a write runs in: the open batch's (same thread), else one of its own."""
+        if self._batch is not None and self._batch[0] == threading.get_ident():
+            return contextlib.nullcontext(self._batch[1])
+        return self.tx()
+
+    @contextlib.contextmanager
+    def device_write(self, device: str, now: float, seen: float | None) -> Iterator[Any]:
+        """The connection for a write about one device received from it (every put_*, and the stores of other
+        modules, e.g. fleet.rollout_store's model/state): the open batch's transaction in this thread, else one
+        of its own, with the device row touched first (row-locked until the commit, see the module docstring)."""
+        with self._write() as c:
+            self._touch(c, device, now, seen)
+            yield c
+
+    # ---- writes (each its own transaction, or the open batch's) --------------------------------------------
 
     @staticmethod
     def _touch(c: Any, device: str, now: float, seen: float | None) -> None:
         """Create the device row if new; move last_seen forward (never back) and last_received to now."""
-        c.execute(
-            "INSERT INTO devices (id, first_seen, last_seen, last_received) VALUES (?,?,?,?) "
-            "ON CONFLICT(id) DO UPDATE SET last_received=excluded.last_received, last_seen=CASE "
-            " WHEN excluded.last_seen IS NULL THEN devices.last_seen"
-            " WHEN devices.last_seen IS NULL OR excluded.last_seen > devices.last_seen THEN excluded.last_seen"
-            " ELSE devices.last_seen END",
-            (device, now, seen, now))
+        c.execute(TOUCH_SQL, (device, now, seen, now))
+
+    def _touch_many(self, c: Any, devices: Sequence[tuple[str, float | None]], now: float) -> None:
+        """BATCH_TOUCH_SQL of each (device, seen), in this order."""
+        c.executemany(BATCH_TOUCH_SQL, [(d, now, seen, now) for d, seen in devices])
 
     def put_status(self, device: str, state: str, session: int | None, version: str | None, ts: float | None,
                    retained: bool, now: float, seen: float | None) -> bool:
         """Record a status message; the newest one received sets the device state. Returns whether it changed."""
-        with self.tx() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             c.execute("INSERT INTO status_history (device_id, state, session, version, ts, retained, received_at)"
                       " VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
                       (device, state, session, version, ts, int(retained), now))
@@ -218,8 +287,7 @@ class FleetStore(Store):
         return old != state
 
     def put_info(self, device: str, info: dict, hw: dict, now: float, seen: float | None) -> None:
-        with self.tx() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             c.execute("UPDATE devices SET info_json=?, info_at=?, cpu_model=?, arch=?, isa=?, vector_bits=?, cores=?,"
                       " hw_fingerprint=coalesce(?, hw_fingerprint), fw_fingerprint=coalesce(?, fw_fingerprint),"
                       " model_version=coalesce(?, model_version) WHERE id=?",
@@ -235,8 +303,7 @@ class FleetStore(Store):
                    seen: float | None) -> None:
         """Replace the device's active configs with this document's (None: the retained document was cleared).
         `meta` holds the document's validated model_version, hw_fingerprint and fw_fingerprint."""
-        with self.tx() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             c.execute("DELETE FROM active_configs WHERE device_id=?", (device,))
             for e in entries:
                 c.execute("INSERT INTO active_configs (device_id, slot, kernel, workload, config_json, ms,"
@@ -256,8 +323,7 @@ class FleetStore(Store):
         text = _dumps(payload)
         n = fields["n_measurements"]
         terminal = fields.get("state") in TERMINAL_RECORD_STATES
-        with self.tx() as c:
-            self._touch(c, device, now, seen)
+        with self.device_write(device, now, seen) as c:
             old = c.execute("SELECT id, payload_json, n_measurements, state FROM records WHERE device_id=? AND"
                             " record_uid=?", (device, uid)).fetchone()
             if old is None:
@@ -282,19 +348,25 @@ class FleetStore(Store):
 
     def put_telemetry(self, device: str, t: dict, payload: dict, now: float, seen: float | None) -> bool:
         """Store one telemetry sample; False when (device, boot_id, seq) was already stored."""
-        with self.tx() as c:
-            self._touch(c, device, now, seen)
-            cur = c.execute("INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c,"
-                            " freq_mhz, mem_used, rss, state, payload_json, received_at)"
-                            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
-                            (device, t["boot_id"], t["seq"], t["ts"], t["cpu_percent"], t["load1"], t["temp_c"],
-                             t["freq_mhz"], t["mem_used"], t["rss"], t["state"], _dumps(payload), now))
-            return cur.rowcount == 1
+        with self.device_write(device, now, seen) as c:
+            return self._insert_telemetry(c, [Sample(device, t, payload)], now)[0]
+
+    def put_telemetry_many(self, samples: Sequence[Sample], now: float) -> list[bool]:
+        """Store telemetry samples (their devices are touched by the caller: `touch_devices`); per sample, False
+        when (device, boot_id, seq) was already stored (a second copy in the same call included)."""
+        with self._write() as c:
+            return self._insert_telemetry(c, samples, now)
+
+    def _insert_telemetry(self, c: Any, samples: Sequence[Sample], now: float) -> list[bool]:
+        return [c.execute("INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz,"
+                          " mem_used, rss, state, payload_json, received_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                          " ON CONFLICT DO NOTHING",
+                          (x.device, *(x.fields[k] for k in TELEMETRY_FIELDS), _dumps(x.payload), now)).rowcount == 1
+                for x in samples]
 
     def put_command(self, device: str, cmd_id: str, op: str | None, args: Any, expires_at: float | None,
                     now: float) -> None:
-        with self.tx() as c:
-            self._touch(c, device, now, None)
+        with self.device_write(device, now, None) as c:
             c.execute("INSERT INTO commands (device_id, id, op, args_json, expires_at, requested_at, updated_at)"
                       " VALUES (?,?,?,?,?,?,?) ON CONFLICT(device_id, id) DO UPDATE SET op=excluded.op,"
                       " args_json=excluded.args_json, expires_at=excluded.expires_at,"
@@ -304,8 +376,7 @@ class FleetStore(Store):
     def put_response(self, device: str, cmd_id: str, status: str, progress: Any, reason: str | None, result: Any,
                      now: float) -> None:
         """Log a response; the command's status follows it, except that a final status is never undone."""
-        with self.tx() as c:
-            self._touch(c, device, now, now)
+        with self.device_write(device, now, now) as c:
             c.execute("INSERT INTO command_responses (device_id, command_id, status, progress_json, reason,"
                       " result_json, received_at) VALUES (?,?,?,?,?,?,?)",
                       (device, cmd_id, status, _dumps(progress), reason, _dumps(result), now))
@@ -322,7 +393,7 @@ class FleetStore(Store):
     def put_malformed(self, device: str | None, topic: str, error: str, payload: bytes, now: float) -> None:
         # the log must take whatever arrived: PostgreSQL text cannot hold NUL, so it is spelled out
         device, topic, error = (None if x is None else x.replace("\0", "\\0") for x in (device, topic, error[:500]))
-        with self.tx() as c:
+        with self._write() as c:
             c.execute("INSERT INTO malformed (device_id, topic, error, payload_head, payload_bytes, received_at)"
                       " VALUES (?,?,?,?,?,?)", (device, topic, error, bytes(payload[:256]), len(payload), now))
             c.execute("DELETE FROM malformed WHERE id <= (SELECT max(id) FROM malformed) - ?", (MALFORMED_KEEP,))
@@ -341,41 +412,45 @@ class FleetStore(Store):
 
     # ---- reads ---------------------------------------------------------------------------------------------
 
-    def devices(self, now: float | None = None) -> list[dict]:
-        """One summary per device: state, last seen, hw summary, tuned workloads and their mean speedup."""
+    def devices(self, now: float | None = None, *, device: str | None = None,
+                newest_sample: bool = True) -> list[dict]:
+        """One summary per device (only `device`'s when given): state, last seen, hw summary, tuned workloads and
+        their mean speedup, and its newest telemetry sample (unless `newest_sample` is False). Every query is an
+        index lookup per device or a pass over a table with a few rows per device, never over the telemetry."""
         now = time.time() if now is None else now
+        one, args = (" WHERE device_id = ?", (device,)) if device is not None else ("", ())
         speedups: dict[str, list[float]] = {}
         tuned: dict[str, int] = {}
-        for r in self.query("SELECT device_id, speedup FROM active_configs"):
-            tuned[r["device_id"]] = tuned.get(r["device_id"], 0) + 1
-            if r["speedup"] is not None:
-                speedups.setdefault(r["device_id"], []).append(r["speedup"])
-        records = {r[0]: r[1] for r in self.query("SELECT device_id, count(*) FROM records GROUP BY device_id")}
-        # the newest sample of each device: one index lookup per device (telemetry_device), not a pass over
-        # every sample, so the overview stays fast with weeks of 1 Hz telemetry in the table
-        telemetry = {r["device_id"]: r for r in self.query(
-            "SELECT t.* FROM devices d JOIN telemetry t"
-            " ON t.id = (SELECT max(id) FROM telemetry WHERE device_id = d.id)")}
+        for name, speedup in self.query(f"SELECT device_id, speedup FROM active_configs{one}", args):
+            tuned[name] = tuned.get(name, 0) + 1
+            if speedup is not None:
+                speedups.setdefault(name, []).append(speedup)
+        records = {r[0]: r[1] for r in self.query(f"SELECT device_id, count(*) FROM records{one} GROUP BY device_id",
+                                                  args)}
+        telemetry = self.newest_samples(None if device is None else [device]) if newest_sample else {}
         out = []
-        for d in self.query("SELECT * FROM devices ORDER BY id"):
-            t = telemetry.get(d["id"])
-            out.append({
-                "id": d["id"], "state": d["state"], "online": d["state"] == "online",
-                "session": d["session"], "version": d["version"],
-                "last_seen": d["last_seen"],
-                "last_seen_ago_s": None if d["last_seen"] is None else round(max(0.0, now - d["last_seen"]), 1),
-                "state_changed_at": d["state_changed_at"], "first_seen": d["first_seen"],
-                "cpu_model": d["cpu_model"], "arch": d["arch"], "isa": d["isa"], "vector_bits": d["vector_bits"],
-                "cores": d["cores"],
-                "hw_fingerprint": d["hw_fingerprint"], "fw_fingerprint": d["fw_fingerprint"],
-                "model_version": d["model_version"],
-                "tuned_workloads": tuned.get(d["id"], 0),
-                "mean_speedup": geomean(speedups.get(d["id"], [])),
-                "records": records.get(d["id"], 0),
-                "telemetry": None if t is None else {k: t[k] for k in (
-                    "ts", "boot_id", "seq", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")},
-            })
+        for row in self.query(f"SELECT {', '.join(SUMMARY_FIELDS)} FROM devices"
+                              + (" WHERE id = ?" if device is not None else "") + " ORDER BY id", args):
+            d = dict(zip(SUMMARY_FIELDS, row))  # by position: a thousand rows read by name cost more than the query
+            seen, name = d["last_seen"], d["id"]
+            d.update(online=d["state"] == "online",
+                     last_seen_ago_s=None if seen is None else round(max(0.0, now - seen), 1),
+                     tuned_workloads=tuned.get(name, 0), mean_speedup=geomean(speedups.get(name, [])),
+                     records=records.get(name, 0), telemetry=telemetry.get(name) if newest_sample else None)
+            out.append(d)
         return out
+
+    def newest_samples(self, devices: Sequence[str] | None = None) -> dict[str, dict]:
+        """Each device's newest telemetry sample (of `devices`, else of all): one lookup per device in
+        telemetry_device (device_id, id), never a pass over the telemetry."""
+        where, args = "", ()
+        if devices is not None:
+            if not devices:
+                return {}
+            where, args = f" WHERE d.id IN ({', '.join('?' * len(devices))})", tuple(devices)
+        return {r[0]: dict(zip(TELEMETRY_FIELDS, r[1:])) for r in self.query(
+            f"SELECT t.device_id, {', '.join('t.' + k for k in TELEMETRY_FIELDS)} FROM devices d JOIN telemetry t"
+            f" ON t.id = (SELECT max(id) FROM telemetry WHERE device_id = d.id){where}", args)}
 
     def device(self, device: str) -> dict | None:
         r = self.query_one("SELECT * FROM devices WHERE id=?", (device,))
@@ -459,20 +534,23 @@ class FleetStore(Store):
 
     # ---- reads for the dashboard and its API (fleet.web) ----------------------------------------------------
 
-    def dashboard_devices(self, now: float | None = None, stale_after_s: float = 600.0) -> list[dict]:
+    def dashboard_devices(self, now: float | None = None, stale_after_s: float = 600.0, *, device: str | None = None,
+                          newest_sample: bool = True) -> list[dict]:
         """`devices()` plus what the dashboard shows: `status`, which splits `online` into online and `stale`
         (the retained status says online but nothing was heard for `stale_after_s`), so the statuses partition
         the fleet; the geomean of tuned/ORT over the active configs that carry `ort_ms`; the tuned slots."""
         now = time.time() if now is None else now
         ort: dict[str, list[float]] = {}
         slots: dict[str, list[str]] = {}
-        for r in self.query("SELECT device_id, slot, ms, entry_json FROM active_configs ORDER BY slot"):
-            slots.setdefault(r["device_id"], []).append(r["slot"])
-            ort_ms = json.loads(r["entry_json"]).get("ort_ms")
-            if isinstance(ort_ms, (int, float)) and ort_ms > 0 and r["ms"]:
-                ort.setdefault(r["device_id"], []).append(r["ms"] / ort_ms)
+        one, args = (" WHERE device_id = ?", (device,)) if device is not None else ("", ())
+        for name, slot, ms, entry in self.query(
+                f"SELECT device_id, slot, ms, entry_json FROM active_configs{one} ORDER BY slot", args):
+            slots.setdefault(name, []).append(slot)
+            ort_ms = json.loads(entry).get("ort_ms")
+            if isinstance(ort_ms, (int, float)) and ort_ms > 0 and ms:
+                ort.setdefault(name, []).append(ms / ort_ms)
         out = []
-        for d in self.devices(now):
+        for d in self.devices(now, device=device, newest_sample=newest_sample):
             ago = d["last_seen_ago_s"]
             stale = d["state"] == "online" and (ago is None or ago > stale_after_s)
             out.append({**d, "status": "stale" if stale else d["state"], "ort_ratio": geomean(ort.get(d["id"], [])),
@@ -480,20 +558,19 @@ class FleetStore(Store):
         return out
 
     def overview(self, now: float | None = None, stale_after_s: float = 600.0) -> dict:
-        """Counts by dashboard status and the breakdowns an operator filters the device list by."""
-        devices = self.dashboard_devices(now, stale_after_s)
+        """Counts by dashboard status (as `dashboard_devices` gives them) and the breakdowns an operator filters
+        the device list by: GROUP BYs over the devices table, not a summary of every device built in Python."""
+        now = time.time() if now is None else now
         statuses = {s: 0 for s in ("online", "stale", "offline", "lost", "unknown")}
-        breakdowns: dict[str, dict[str, int]] = {k: {} for k in ("version", "model_version", "fw_fingerprint",
-                                                                 "cpu_model", "isa")}
-        for d in devices:
-            statuses[d["status"]] = statuses.get(d["status"], 0) + 1
-            for k, counts in breakdowns.items():
-                v = d[k] if d[k] is not None else ""
-                counts[v] = counts.get(v, 0) + 1
-        return {"devices": len(devices), "statuses": statuses,
-                "breakdowns": {k: sorted(({"value": v, "devices": n} for v, n in c.items()),
-                                         key=lambda x: (-x["devices"], x["value"]))
-                               for k, c in breakdowns.items()}}
+        for status, n in self.query("SELECT CASE WHEN state = 'online' AND (last_seen IS NULL OR last_seen < ?)"
+                                    " THEN 'stale' ELSE state END, count(*) FROM devices GROUP BY 1",
+                                    (now - stale_after_s,)):
+            statuses[status] = statuses.get(status, 0) + n
+        breakdowns = {k: sorted(({"value": v, "devices": n} for v, n in self.query(
+                          f"SELECT coalesce({k}, ''), count(*) FROM devices GROUP BY 1")),
+                                key=lambda x: (-x["devices"], x["value"]))
+                      for k in ("version", "model_version", "fw_fingerprint", "cpu_model", "isa")}
+        return {"devices": sum(statuses.values()), "statuses": statuses, "breakdowns": breakdowns}
 
     def telemetry_window(self, device: str, since: float, limit: int = 2000) -> list[dict]:
         """The device's newest `limit` telemetry samples received since `since`, oldest first (for plots)."""
@@ -548,6 +625,35 @@ class PgFleetStore(PgStore, FleetStore):
 
     def __init__(self, url: str, *, threads: bool = False):  # a psycopg connection is thread-safe already
         PgStore.__init__(self, url, fix="point [fleet] database (or --db) at a database of its own")
+
+    # A round trip, and a parse, per row is what limits a receiver on PostgreSQL: a batch's touches and its
+    # telemetry are one statement each, the rows sent as arrays (in binary) and unnested in order.
+
+    def _touch_many(self, c: Any, devices: Sequence[tuple[str, float | None]], now: float) -> None:
+        if devices:
+            c.execute(BATCH_TOUCH_SQL.replace("VALUES (?,?,?,?)", "SELECT d, ?::float8, s, ?::float8 FROM"
+                                        " unnest(?::text[], ?::float8[]) WITH ORDINALITY AS u(d, s, i) ORDER BY i"),
+                      (now, now, [d for d, _ in devices], [seen for _, seen in devices]), binary=True)
+
+    def _insert_telemetry(self, c: Any, samples: Sequence[Sample], now: float) -> list[bool]:
+        if not samples:
+            return []
+        # in key order: two receivers inserting the same redelivered samples wait for each other, never in a cycle
+        rows = sorted(samples, key=lambda x: (x.device, x.fields["boot_id"], x.fields["seq"]))
+        cols = [[x.device for x in rows], *([x.fields[k] for x in rows] for k in TELEMETRY_FIELDS),
+                [_dumps(x.payload) for x in rows]]
+        new = {tuple(r) for r in c.execute(
+            "INSERT INTO telemetry (device_id, boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss,"
+            " state, payload_json, received_at) SELECT u.*, ?::float8 FROM unnest(?::text[], ?::text[], ?::bigint[],"
+            " ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::float8[], ?::text[],"
+            " ?::text[]) AS u ON CONFLICT DO NOTHING RETURNING device_id, boot_id, seq", (now, *cols),
+            binary=True).fetchall()}
+        out = []
+        for x in samples:  # the first copy of a key is the new one
+            key = (x.device, x.fields["boot_id"], x.fields["seq"])
+            out.append(key in new)
+            new.discard(key)
+        return out
 
 
 def open_fleet_store(db: Path | str | None = None, *, threads: bool = False) -> FleetStore:

@@ -269,16 +269,16 @@ def test_listener_reconnects_and_resubscribes_after_a_broker_restart(mosquitto, 
 
 
 def test_a_failed_db_write_is_not_acked_and_arrives_again(mosquitto, db, monkeypatch):
-    real = listener_mod.ingest
+    real = listener_mod.ingest_batch
     failures = []
 
-    def flaky(store, topic, payload, retained=False, now=None):
-        if topic.endswith("tuning/record") and not failures:
-            failures.append(topic)
+    def flaky(store, messages, now=None):
+        if any(topic.endswith("tuning/record") for topic, _, _ in messages) and not failures:
+            failures.append(messages)
             raise DBFull("database or disk is full", Path(db))
-        return real(store, topic, payload, retained, now)
+        return real(store, messages, now)
 
-    monkeypatch.setattr(listener_mod, "ingest", flaky)
+    monkeypatch.setattr(listener_mod, "ingest_batch", flaky)
     lst = Listener(opts(mosquitto), db, client_id="fleet-flaky").start()
     try:
         assert lst.subscribed.wait(T)

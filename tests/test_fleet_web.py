@@ -91,8 +91,15 @@ def test_overview_counts_and_device_list_filters_and_sorts(rig):
     assert ids("missing=version") == []
     d1 = server.get(f"/api/v1/devices?q=dev-1", v).doc["devices"][0]
     assert d1["mean_speedup"] == pytest.approx((2.0 * 1.5) ** 0.5) and d1["ort_ratio"] == pytest.approx(0.5 / 0.25)
+    page = server.get("/api/v1/devices?sort=id&limit=2", v).doc
+    assert [d["id"] for d in page["devices"]] == ["dev-1", "dev-2"] and page["total"] == 3 and page["offset"] == 0
+    assert ids("sort=id&limit=2&offset=2") == ["dev-3"] and ids("limit=2&offset=3") == []
+    assert ids("status=lost&limit=1") == ["dev-3"]  # the filter first, then the page
+    html = server.get("/devices?sort=id&limit=2", v).text
+    assert "1–2 of 3" in html and "offset=2" in html and 'id="prev"' not in html and ">dev-3<" not in html
     for bad, word in (("sort=bogus", "sort"), ("order=up", "order"), ("colour=red", "colour"),
-                      ("missing=nope", "missing")):
+                      ("missing=nope", "missing"), ("limit=0", "limit"), ("limit=abc", "limit"),
+                      ("offset=-1", "offset"), ("limit=100000", "limit")):
         r = server.get(f"/api/v1/devices?{bad}", v)
         assert r.status == 400 and word in r.doc["error"], r.text
 

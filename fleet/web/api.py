@@ -205,8 +205,9 @@ ROLLOUT_ACTION_RESPONSES = {"200": "done: the rollout afterwards", "400": "bad b
 API: list[ApiRoute] = [
     ApiRoute("/overview", "GET", "viewer", overview, "device counts by status, breakdowns by version, model, fw, "
              "cpu, isa"),
-    ApiRoute("/devices", "GET", "viewer", devices, "devices, filtered and sorted",
-             (*views.FILTERS, "missing", "q", "sort", "order"), responses={"400": "bad query parameter"}),
+    ApiRoute("/devices", "GET", "viewer", devices, "devices, filtered and sorted, a page of them (limit, offset; "
+             "total counts all that match)", (*views.FILTERS, "missing", "q", "sort", "order", "limit", "offset"),
+             responses={"400": "bad query parameter"}),
     ApiRoute("/devices/{device}", "GET", "viewer", device, "one device: summary, descriptor, active configs, "
              "status history, command log", responses=DEVICE_404),
     ApiRoute("/devices/{device}/telemetry", "GET", "viewer", telemetry, "telemetry samples within the retention, "

@@ -20,6 +20,8 @@ FILTERS = ("status", "version", "model_version", "fw_fingerprint", "cpu_model", 
 SORTS = ("id", "status", "last_seen", "cpu_model", "isa", "cores", "version", "model_version", "tuned_workloads",
          "mean_speedup", "ort_ratio", "records")
 OPEN_COMMAND_STATES = ("accepted", "in_progress")
+PAGE = 100  # devices per page of the device list, unless `limit` says otherwise
+PAGE_MAX = 1000
 
 
 class BadQuery(BadInput):
@@ -38,11 +40,13 @@ def overview(store: FleetStore, lim: Limits) -> dict:
 
 def device_list(store: FleetStore, lim: Limits, query: Mapping[str, str]) -> dict:
     """Devices filtered by exact FILTERS values (`missing=<field>`: that field unknown) and `q` (a substring of
-    the id), sorted by `sort` (`order=desc` to reverse; unknown values last either way)."""
-    unknown = set(query) - {*FILTERS, "q", "sort", "order", "missing"}
+    the id), sorted by `sort` (`order=desc` to reverse; unknown values last either way); `limit` of them (PAGE
+    by default) from `offset`, of `total`. Only the page's devices get their newest telemetry sample."""
+    params = (*FILTERS, "missing", "q", "sort", "order", "limit", "offset")
+    unknown = set(query) - set(params)
     if unknown:
-        raise BadQuery(f"unknown query parameter {sorted(unknown)[0]!r}; parameters: "
-                       f"{', '.join((*FILTERS, 'missing', 'q', 'sort', 'order'))}")
+        raise BadQuery(f"unknown query parameter {sorted(unknown)[0]!r}; parameters: {', '.join(params)}")
+    limit, offset = _count(query, "limit", PAGE, 1, PAGE_MAX), _count(query, "offset", 0, 0, None)
     sort, order = query.get("sort") or "id", query.get("order") or "asc"
     if sort not in SORTS:
         raise BadQuery(f"sort={sort!r}: sort by one of {', '.join(SORTS)}")
@@ -53,17 +57,33 @@ def device_list(store: FleetStore, lim: Limits, query: Mapping[str, str]) -> dic
         raise BadQuery(f"missing={missing!r}: one of {', '.join(FILTERS)}")
     wanted = {k: query[k] for k in FILTERS if query.get(k)}
     q = (query.get("q") or "").lower()
-    rows = [d for d in store.dashboard_devices(stale_after_s=lim.stale_after_s)
+    rows = [d for d in store.dashboard_devices(stale_after_s=lim.stale_after_s, newest_sample=False)
             if all(str(d[k]) == v for k, v in wanted.items()) and (missing is None or d[missing] is None)
             and q in d["id"].lower()]
     known = sorted((d for d in rows if d[sort] is not None), key=lambda d: d[sort], reverse=order == "desc")
-    return {"devices": known + [d for d in rows if d[sort] is None],
+    page = (known + [d for d in rows if d[sort] is None])[offset:offset + limit]
+    samples = store.newest_samples([d["id"] for d in page])
+    return {"devices": [d | {"telemetry": samples.get(d["id"])} for d in page], "total": len(rows),
+            "offset": offset, "limit": limit,
             "filters": {**wanted, **({"missing": missing} if missing else {}), **({"q": q} if q else {})},
             "sort": sort, "order": order}
 
 
+def _count(query: Mapping[str, str], name: str, default: int, low: int, high: int | None) -> int:
+    raw = query.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        n = None
+    if n is None or n < low or (high is not None and n > high):
+        raise BadQuery(f"{name}={raw!r}: a whole number from {low}" + (f" to {high}" if high is not None else " up"))
+    return n
+
+
 def device_detail(store: FleetStore, lim: Limits, device: str) -> dict | None:
-    summary = next((d for d in store.dashboard_devices(stale_after_s=lim.stale_after_s) if d["id"] == device), None)
+    summary = next(iter(store.dashboard_devices(stale_after_s=lim.stale_after_s, device=device)), None)
     if summary is None:
         return None
     info = (store.device(device) or {}).get("info") or {}
