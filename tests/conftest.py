@@ -79,12 +79,3 @@ def model_kernels() -> list:
     spaces = check_gguf(default_model_path()).spaces()
     return [s for s in all_specs().values()
             if spaces.get(s.name) == {p.name: [str(v) for v in p.values] for p in s.params}]
-
-
-@pytest.fixture(scope="session")
-def model_kernel():
-    """One kernel the bundled model knows (gemm when it does): see model_kernels."""
-    known = model_kernels()
-    if not known:
-        pytest.skip("the bundled tuner model predates every kernel's knobs: re-collect and retrain (`make model`)")
-    return next((s for s in known if s.name == "gemm"), known[0])
