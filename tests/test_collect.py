@@ -189,4 +189,4 @@ def test_records_of_another_kernel_version_are_left_out_of_training(tmp_path):
     cases, n = load_records(path)
     assert n == len(recs) and sorted(c.shape["T"] for c in cases.values()) == [21, 22]
     rows = [r for r in read_rows(REPO / "quantized_models" / "data" / "runs.jsonl.gz") if r.get("kind") == "m"][:1]
-    assert "source_hash" not in rows[0]  # the committed journal predates source hashes: its rows are kept
+    assert rows[0]["source_hash"] == get_spec(rows[0]["kernel"]).source_hash()  # the committed journal: kept

@@ -121,8 +121,7 @@ def test_thread_bound_matches_the_collected_data():
     cases = D.load_collector(Path(D.DEFAULT_DATA))
     specs = all_specs()
     tiny = [c for c in cases.values() if c.table() and specs[c.kernel].flops(c.shape) < 2 * MIN_FLOPS_PER_THREAD]
-    # the loader leaves out data of kernels redesigned since it was collected, so this checks the cases left
-    assert len(tiny) >= 20, "the dataset should hold many tiny cases"
+    assert tiny, "the dataset holds no case below the bound: nothing checks it"
     multi = [c for c in tiny if c.ranked()[0][0]["threads"] != 1]
     assert not multi, [(c.kernel, c.isa, c.workload, c.ranked()[0]) for c in multi[:3]]
 

@@ -195,7 +195,7 @@ def test_train_from_records_jsonl(tmp_path):
 
     cases = D.load_collector(D.DEFAULT_DATA)
     recs = []
-    kernel = next(iter(cases.values())).kernel
+    kernel = "logmel"  # its space is small enough for a 3-step model, near uniform, to find valid configs in
     for c in [c for c in cases.values() if c.kernel == kernel][:6]:
         recs.append({"kernel": c.kernel, "workload": c.workload, "shape": c.shape, "isa": c.isa,
                      "hw_fingerprint": "x", "strategy": "anneal", "measurements": [
