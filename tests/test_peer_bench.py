@@ -107,6 +107,14 @@ def test_bench_rows_time_every_contender_and_rate_against_the_best_peer(tmp_path
                    for n in ("edgetune default", "edgetune tuned", "ORT", "ORT -reorder"))
         assert r["best_peer"] in ("ORT -reorder", "XNNPACK") and r["tuned_vs_best"] > 0
         assert r["tuned_source"] == "the default (no tuned config)"
+        # the tuned config is the default: timed once, so tuned/default is exactly 1, not two samples' noise
+        assert r["rounds"]["edgetune tuned"] == r["rounds"]["edgetune default"]
+
+
+def test_bench_cells_keep_four_significant_digits_of_sub_microsecond_kernels():
+    from bench.kernels_vs_peers import _ms
+
+    assert [_ms(0.00009312), _ms(0.30741), _ms(12.3456), _ms(0.02)] == ["0.00009312", "0.3074", "12.35", "0.02"]
 
 
 def test_bench_refuses_unknown_filters_by_name(capsys):

@@ -108,10 +108,11 @@ def from_results_db(path: Path, spec: KernelSpec, wl: Workload, threads: int, hw
 
 class EdgetunePeer:
     """One edgetune config as a contender: each round is one checked, timed measurement through the tuner's own
-    evaluator (tuner.evaluate.Measured: the worker, so the thread runtime and wait policy are the tuner's)."""
+    evaluator (tuner.evaluate.Measured: the worker, so the thread runtime and wait policy are the tuner's). Its
+    series goes under every one of `names` (the default and the tuned config, when the tune kept the default)."""
 
-    def __init__(self, name: str, evaluator: Measured, config: Config):
-        self.name, self.evaluator, self.config = name, evaluator, config
+    def __init__(self, names: tuple[str, ...], evaluator: Measured, config: Config):
+        self.names, self.evaluator, self.config = names, evaluator, config
         self.times: list[float | None] = []
         self.error: str | None = None
 
@@ -122,4 +123,4 @@ class EdgetunePeer:
             self.error = m.reason
 
     def series(self) -> dict[str, list[float | None]]:
-        return {self.name: self.times}
+        return {n: self.times for n in self.names}
