@@ -247,7 +247,6 @@ def test_bad_releases_and_bad_files_are_refused_with_a_reason_and_the_model_keep
     s, stranger = signer(tmp_path), signer(tmp_path, "stranger")
     f = fleet_files.files
     bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/#",))
-    d = device(tmp_path, mosquitto, fleet_files, s, max_bytes=4 << 20).start()
     good = s.manifest(NEW, 2)
     tampered = dict(good, version=99)
     wrong_bytes = BUNDLED[:-32] + b"\1" * 32 + b"\0" * 32  # the right size, other bytes
@@ -279,6 +278,8 @@ def test_bad_releases_and_bad_files_are_refused_with_a_reason_and_the_model_keep
         (s.release(s.manifest(other_format, 13)), 13, "rolled_back", rel.WRONG_PROMPT_FORMAT),
         (s.release(s.manifest(other_knobs, 14)), 14, "rolled_back", rel.INVALID_PROPOSALS),
     ]
+    # started after the setup, so that a failing assertion there leaves no daemon behind
+    d = device(tmp_path, mosquitto, fleet_files, s, max_bytes=4 << 20).start()
     try:
         d.wait_status(lambda st: st["state"] == "idle", T)
         for payload, version, want, reason in cases:
