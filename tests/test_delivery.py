@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
