@@ -123,8 +123,18 @@ def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):
     if name.startswith(PEERS):
         return make_peer(name, space, seed, budget)
     base, _, opts = name.partition(":")
-    kw = {k: float(v) if "." in v else int(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
+    kw = {k: _setting(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
     return STRATEGIES[base](space, seed, kernel=spec, **kw)
+
+
+def _setting(v: str) -> int | float | Path:
+    """A strategy setting from the command line: a number, else a path (`llm:model_path=other.gguf`)."""
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return Path(v)
 
 
 def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int) -> Run:
@@ -333,7 +343,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--names", default="", help="only these layers (comma-separated names)")
     ap.add_argument("--strategies", default=STRATEGIES,
                     help="comma-separated; also peers (optuna-tpe, kerneltuner-<strategy>) and variants of ours with "
-                         "settings after a colon, separated by '+': llm:k=5+patience=6")
+                         "settings after a colon, separated by '+': llm:k=5+patience=6, llm:model_path=B.gguf")
     ap.add_argument("--budget", type=int, default=max(BUDGETS), help="evaluations per session")
     ap.add_argument("--rounds", type=int, default=5, help="side-by-side rounds per layer")
     ap.add_argument("--ref-evals", type=int, default=80, help="evaluations of the reference search")

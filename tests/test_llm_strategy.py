@@ -16,7 +16,7 @@ from kernels.measure import Measurement
 from kernels.registry import get_spec
 from kernels.space import config_key
 from tuner.db import ResultsDB
-from tuner.strategies.llm import DEFAULT_K, PATIENCE, LLMStrategy, _PROPOSERS, evidence_bias, hedged
+from tuner.strategies.llm import DEFAULT_K, EXPLORE_AWAY, PATIENCE, STRATEGY_VERSION, LLMStrategy, _PROPOSERS, evidence_bias, hedged
 from tuner.model.inference import default_model_path
 from tuner.session import Budget, Session
 from tuner.strategies import STRATEGIES, make_strategy
@@ -49,12 +49,14 @@ def test_llm_hedges_then_steers_by_what_it_measured_and_stops(hw):
             at = asked
         more = s.ask(2)
         assert more and not {config_key(c) for c in more} & seen and all(space.is_valid(c) for c in more)
+        if at is not None:  # converged: each batch opens with an exploration step away from the incumbent
+            assert space.distance(more[0], first[0]) >= EXPLORE_AWAY
         seen |= {config_key(c) for c in more}
         for c in more:
             s.tell(c, Measurement(ok=True, ms=2.0))
             asked += 1
     assert at is not None and PATIENCE <= at <= PATIENCE + 1  # the first batch measured close: patience not doubled
-    assert asked >= 40  # past convergence it goes on (an explicit budget is spent whole)
+    assert asked >= 40  # past convergence it goes on, exploring (an explicit budget is spent whole)
     assert s.history[0] == (first[0], 1.0)
 
 
@@ -142,7 +144,7 @@ def test_llm_session_real_compile(hw, runner, tmp_path):
     res = Session(db, runner, hw).tune(GEMM, wl, strategy="llm", budget=Budget(evals=12))
     assert res.strategy == "llm" and res.evals <= 12 and res.ms > 0 and res.speedup is not None
     info = db.session_info(res.session_id)
-    assert info["strategy_version"].startswith("2-") and "anneal-fallback" not in info["strategy_version"]
+    assert info["strategy_version"].startswith(f"{STRATEGY_VERSION}-") and "anneal-fallback" not in info["strategy_version"]
     first = [m["config"] for m in db.measurements(res.session_id, "search")[:DEFAULT_K]]
     assert first == LLMStrategy(GEMM.space(wl.shape, hw), 0, kernel=GEMM).ask(2)[:len(first)]
 

@@ -13,8 +13,10 @@
    a local step, as in LLM-seeded local search).
 3. It has converged once `patience` evaluations in a row brought no gain beyond the noise (3%); a first batch that
    spread widely (the model's guesses were far apart) doubles the patience, since the optimum may still be far. A
-   session without an explicit budget stops there; one with a budget goes on steering (then local search once the
-   model has nothing left to propose) until the budget is spent.
+   session without an explicit budget stops there. One with a budget goes on, each batch now an exploration step
+   (the model's best, under the measurements, among a pool of random unmeasured configs away from the incumbent:
+   the model as acquisition function over a global sample, where steering alone stays in the incumbent's basin)
+   and the local step; local search once the model has nothing left to propose.
 
 A model trained before the kernel's knobs changed proposes the knobs it knows (the others at their defaults, which
 every other neighbour step then explores; tuner.model.proposer.unknown_knobs), with a version marked `mapped`. A
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STRATEGY_VERSION = "2"
+STRATEGY_VERSION = "3"
 DEFAULT_K = 4
 UNSURE = 0.85  # a knob whose leading value holds under this share of the top configs' mass is hedged
 # knobs hedged however sure the model is: what the threads knob is worth depends on what else runs on the device
@@ -51,6 +53,8 @@ HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top
 EVIDENCE_WEIGHT = 1.5  # log-weight per log of a value's best time over the best of all
 PATIENCE = 4
 WIDE_SPREAD = 2.0  # the first batch's slowest over fastest: beyond this, patience doubles
+EXPLORE_POOL = 32  # random unmeasured configs the model picks its exploration step from, once converged
+EXPLORE_AWAY = 3  # knob steps a pooled config is at least from the incumbent
 
 _PROPOSERS: dict[str, Any] = {}  # path -> Proposer (or the ModelError it raised): load a model once per process
 
@@ -267,9 +271,17 @@ class LLMStrategy(Strategy):
             self.refiner.current = self.best
         return self.refiner.ask(n)
 
+    def _explore(self) -> list[tuple[Config, float]]:
+        """The model's best, under the measurements, among a seeded pool of random unmeasured valid configs at
+        least EXPLORE_AWAY steps from the incumbent ([] when the space has none left)."""
+        pool = [c for c in self.space.sample(EXPLORE_POOL, self.rng, exclude=self.seen)
+                if self.best is None or self.space.distance(c, self.best[1]) >= EXPLORE_AWAY]
+        return self._propose(1, extra=table_predicate(self.space.names, pool)) if pool else []
+
     def _steered(self, n: int) -> list[Config]:
-        """The model's best unmeasured config(s) under the measurements, and its best neighbour step."""
-        out = [c for c, _ in self._propose(max(1, n - 1))]
+        """The model's best unmeasured config(s) under the measurements (once converged: its exploration step),
+        and its best neighbour step."""
+        out = [c for c, _ in (self._explore() if self.converged() else self._propose(max(1, n - 1)))]
         local = self._local() if n > 1 else None
         if local is not None and config_key(local) not in {config_key(c) for c in out}:
             out = out[:n - 1] + [local]
