@@ -30,7 +30,7 @@ from typing import Any, Iterable
 from edgetune import __version__
 from edgetune import release as rel
 from edgetune.errors import BadInput
-from edgetune.protocol import MODEL_FINAL_STATES, Topics, encode, check_id
+from edgetune.protocol import CHUNK_BYTES, MODEL_FINAL_STATES, Topics, check_id, encode
 from fleet.store import FleetStore
 
 DEFAULT_PHASES = (5.0, 25.0, 100.0)
@@ -136,7 +136,7 @@ def manifest(model: dict, *, key_id: str, now: float, expires_at: float, min_edg
     return {"name": model["name"], "version": model["version"], "sha256": model["sha256"], "size": model["size"],
             "prompt_format": model["prompt_format"], "spaces": model["spaces"], "min_edgetune": min_edgetune,
             "expires_at": expires_at, "key_id": key_id, "url": f"/releases/{model['sha256']}", "issued_at": now,
-            "rollback": rollback, "target_isa": target_isa}
+            "rollback": rollback, "target_isa": target_isa, "mqtt": {"chunk_size": CHUNK_BYTES}}
 
 
 def new_rollout_id(version: int) -> str:

@@ -4,6 +4,7 @@ with real daemons is tests/test_rollout_e2e.py; the page in a browser tests/test
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -297,3 +298,48 @@ def test_model_state_reports_are_stored_and_a_malformed_one_is_logged_and_skippe
         assert "exploded" in store.malformed()[1]["error"]
         assert ingest(store, topic, b"", True).detail == "cleared" and rs.model_state(store, "dev-1")["state"] == \
             "committed"
+
+
+# ---- the model file over MQTT --------------------------------------------------------------------------------------
+
+def test_the_chunk_server_sends_what_a_device_asks_for_and_refuses_what_it_cannot_serve(mosquitto, tmp_path):
+    from fleet.chunk_server import ChunkServer
+    from tests.test_daemon_support import Bus
+    from tests.test_fleet import opts
+
+    db = tmp_path / "fleet.db"
+    with open_fleet_store(db) as store:
+        sha = registry.add(store, model_file(tmp_path, 8))["sha256"]
+    data, cs = BUNDLED + b"\0" * 8, 65536
+    n = -(-len(data) // cs)
+    server = ChunkServer(opts(mosquitto), db).start()
+    bus = Bus(mosquitto, ("edgetune/v1/dev-c/model/chunk",))
+
+    def ask(payload: dict | bytes) -> int:
+        since = len(bus.msgs)
+        bus.publish("edgetune/v1/dev-c/model/chunk/req", payload if isinstance(payload, bytes) else json.dumps(
+            {"sha256": sha, "chunk_size": cs, "first": n - 2, "count": 2, "ts": time.time(), **payload}))
+        return since
+
+    def answers(since: int, k: int) -> list[dict]:
+        bus.wait(lambda m: len(bus.msgs) >= since + k, 60, f"{k} chunk message(s)", since=since)
+        return [m.doc for m in bus.msgs[since:since + k]]
+
+    try:
+        server.client.wait_ready(30)
+        # the last two chunks, as asked: the last one shorter, each one message, nothing retained
+        got = answers(ask({}), 2)
+        assert [g["index"] for g in got] == [n - 2, n - 1] and all(g["error"] is None for g in got)
+        assert [base64.b64decode(g["data"]) for g in got] == [data[(n - 2) * cs:(n - 1) * cs], data[(n - 1) * cs:]]
+        assert not any(m.retain for m in bus.msgs)
+        # what it cannot serve gets one answer with the reason; a malformed request none (it is only logged)
+        assert "no model with sha256" in answers(ask({"sha256": "0" * 64}), 1)[0]["error"]
+        assert f"the file has {n} of {cs} bytes" in answers(ask({"first": n - 1}), 1)[0]["error"]
+        since = ask(b"{not json")
+        ask({"count": 17})  # over the window a request may ask for
+        ask({"chunk_size": 10})
+        assert [g["index"] for g in answers(ask({"first": 0, "count": 1}), 1)] == [0]  # the next answer is this
+        assert len(bus.msgs) == since + 1
+    finally:
+        bus.close()
+        server.stop()

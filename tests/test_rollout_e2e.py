@@ -1,5 +1,5 @@
 """Issue 27 end to end: real daemons follow staged rollouts that a real `fleet serve` runs over a real mosquitto,
-downloading the model from its /releases/ route. Models are the bundled GGUF padded (another file, the same
+downloading the model from its /releases/ route, or in MQTT chunks from it when they have no fleet URL. Models are the bundled GGUF padded (another file, the same
 model) and a patched copy trained for other knobs (it loads, then proposes nothing valid). Every wait is on an
 event: a model/state the fleet stored, a retained message, a daemon status."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import sqlite3
 import threading
 import urllib.error
 import urllib.request
@@ -28,6 +29,7 @@ class Rig:
     """A broker, a fleet server with an operator and a viewer token and a signing key, and daemons that trust it."""
 
     def __init__(self, tmp: Path, cache: Path, devices: list[str], fleet_url: str | None = None, isa: str = ""):
+        """`fleet_url`: what the daemons download from; None: the fleet server, "": none (MQTT chunks only)."""
         self.isa = isa  # the daemons' ISA cap (empty: the CPU's)
         self.tmp, self.cache = tmp, cache
         self.broker = Mosquitto(tmp / "broker").start()
@@ -37,7 +39,7 @@ class Rig:
         r = self.server.cli("fleet", "key", "create", "--out", str(key), "--json")
         assert r.returncode == 0, r.stderr
         self.key, self.pub = key, Path(json.loads(r.stdout)["public_key"])
-        self.daemons = {d: self._daemon(d, fleet_url or self.server.base) for d in devices}
+        self.daemons = {d: self._daemon(d, self.server.base if fleet_url is None else fleet_url) for d in devices}
         self.server.wait_json("/api/v1/overview", self.viewer, lambda o: o["statuses"]["online"] == len(devices), T)
 
     def _daemon(self, name: str, url: str) -> DaemonProc:
@@ -255,3 +257,32 @@ def test_a_tampered_file_or_untrusted_key_trips_the_abort_rule_and_a_failed_down
         if rig:
             rig.close()
         proxy.shutdown()
+
+
+def test_without_http_the_file_comes_in_mqtt_chunks_a_tampered_one_trips_the_abort_rule_a_sound_one_commits(
+        tmp_path, build_cache):
+    rig = Rig(tmp_path, build_cache, ["dev-m"], fleet_url="")  # the device knows no fleet URL: MQTT only
+    try:
+        v2, v3 = rig.add(BUNDLED + b"\0" * 32, "v2"), rig.add(BUNDLED + b"\0" * 64, "v3")
+        # v2's bytes damaged in the fleet DB after it was registered: the chunks carry them, the sha256 catches it
+        with sqlite3.connect(tmp_path / "fleet" / "state" / "fleet.db") as db:
+            data = db.execute("SELECT data FROM models WHERE version=?", (v2,)).fetchone()[0]
+            db.execute("UPDATE models SET data=? WHERE version=?", (bytes([data[0] ^ 1]) + data[1:], v2))
+        rid = rig.publish(v2, "--phases", "100", "--min-dwell", "0")
+        r = rig.rollout(rid, lambda r: r["state"] == "aborted" and r["devices"][0]["rollback_state"] == "committed",
+                        "the tampered release aborted and rolled back")
+        assert r["manifest"]["mqtt"] == {"chunk_size": 65536}  # offered, and signed with the rest
+        assert (r["devices"][0]["state"], r["devices"][0]["reason"]) == ("rejected", "checksum")
+        assert "checksum x1" in r["reason"] and rig.pointer("dev-m")["current"] is None
+        assert "model download from" not in rig.daemons["dev-m"].log  # no HTTP attempt: there is no URL
+
+        rid = rig.publish(v3, "--phases", "100", "--min-dwell", "0")
+        r = rig.rollout(rid, lambda r: r["state"] == "completed", "the v3 rollout over MQTT completing")
+        assert r["devices"][0]["state"] == "committed" and rig.pointer("dev-m")["current"]["version"] == 3
+        d = rig.daemons["dev-m"]
+        assert "downloaded v3 (1278400 bytes) from MQTT chunks" in d.log, d.log[-3000:]
+        n = -(-len(BUNDLED + b"\0" * 64) // 65536)
+        assert f"sent chunks {n - 1 - (n - 1) % 16}-{n - 1} of" in rig.server.log  # the last window, as asked
+        rig.clean_exit()
+    finally:
+        rig.close()
