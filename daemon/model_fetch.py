@@ -235,9 +235,10 @@ def fetch_chunks(part: Path, size: int, sha256: str, chunk_size: int, *, timeout
     model/chunk/req payload, `receive(wait_s)` returns the next model/chunk payload or None after wait_s."""
     part.parent.mkdir(parents=True, exist_ok=True)
     index = _index(part)
-    if index.exists() and _index_chunk_size(index) != chunk_size:  # another size (or damaged): keep the run
-        os.truncate(part, _contiguous(part, size))  # from the start
-        index.unlink()
+    if _index_chunk_size(index) != chunk_size:  # none (an HTTP prefix, if anything), another size, or damaged:
+        if part.exists():  # keep the run from the start
+            os.truncate(part, _contiguous(part, size))
+        index.unlink(missing_ok=True)
     n, held = chunk_count(size, chunk_size), _held(part, size, chunk_size)
     if not index.exists():
         write_atomic(index, "".join(f"{i}\n" for i in [chunk_size, *sorted(held)]).encode())

@@ -493,6 +493,13 @@ def test_model_update_config_problems_name_the_key_and_the_fix(tmp_path):
 
 # ---- the file in MQTT chunks: an unreachable fleet URL falls back to them; a kill -9 costs only what is missing ---
 
+def chunk_message(file: bytes, cs: int, i: int, data: bytes | None = None, **over) -> bytes:
+    """model/chunk with chunk i of `file` cut at cs bytes (or `data` instead), fields overridden by `over`."""
+    data = file[i * cs:(i + 1) * cs] if data is None else data
+    return json.dumps({"sha256": hashlib.sha256(file).hexdigest(), "chunk_size": cs, "index": i, "data":
+                       base64.b64encode(data).decode(), "ts": time.time(), **over}).encode()
+
+
 class ChunkFleet(Bus):
     """The fleet's side of an MQTT transfer, as small as the contract: records each model/chunk/req and, once
     `serving`, answers it with the chunks asked for."""
@@ -512,9 +519,7 @@ class ChunkFleet(Bus):
                 self.send(i)
 
     def chunk(self, i: int, data: bytes | None = None, **over) -> bytes:
-        data = self.data[i * self.cs:(i + 1) * self.cs] if data is None else data
-        return json.dumps({"sha256": self.sha, "chunk_size": self.cs, "index": i, "data":
-                           base64.b64encode(data).decode(), "ts": time.time(), **over}).encode()
+        return chunk_message(self.data, self.cs, i, data, **over)
 
     def send(self, i: int, payload: bytes | None = None) -> None:
         self.c.publish(f"edgetune/v1/{DEV}/model/chunk", payload or self.chunk(i), qos=1)
@@ -567,3 +572,43 @@ def test_over_mqtt_bad_chunks_are_refused_and_a_daemon_killed_mid_transfer_asks_
         d.stop()
         bus.close()
         fleet.close()
+
+
+def test_a_part_begun_over_http_continues_in_chunks_and_a_part_of_chunks_continues_over_http(tmp_path, fleet_files):
+    from collections import deque
+
+    from daemon.model_fetch import fetch, fetch_chunks
+
+    cs, data = 16 * 1024, NEW
+    fleet_files.files.add(data)
+    sha, n = hashlib.sha256(data).hexdigest(), -(-len(NEW) // (16 * 1024))
+    asked, inbox = [], deque()
+
+    def request(payload: bytes) -> None:
+        req = json.loads(payload)
+        asked.append((req["first"], req["count"]))
+        inbox.extend(chunk_message(data, cs, i) for i in range(req["first"], req["first"] + req["count"]))
+
+    def chunks(part: Path) -> None:
+        fetch_chunks(part, len(data), sha, cs, timeout=5, request=request,
+                     receive=lambda w: inbox.popleft() if inbox else None, stopping=lambda w: False)
+
+    # 2.5 chunks from an HTTP download: the whole two count, the half one is asked for again
+    part = tmp_path / "a.part"
+    part.write_bytes(data[:cs * 5 // 2])
+    chunks(part)
+    assert asked[0] == (2, 16) and part.read_bytes() == data and not part.with_name("a.part.chunks").exists()
+    # chunks 0, 1 and 3 on disk: HTTP continues after the run from the start (chunk 2), nothing else is trusted
+    part = tmp_path / "b.part"
+    part.write_bytes(data[:2 * cs] + b"\0" * cs + data[3 * cs:4 * cs])
+    part.with_name("b.part.chunks").write_text(f"{cs}\n0\n1\n3\n")
+    url = f"{fleet_files.url}/releases/{sha}"
+    fetch(url, part, len(data), timeout=10, stopping=lambda w: False)
+    assert fleet_files.files.ranges[-1] == f"bytes={2 * cs}-" and part.read_bytes() == data
+    assert not part.with_name("b.part.chunks").exists()
+    # a part longer than the file is not its bytes: every chunk is asked for
+    part = tmp_path / "c.part"
+    part.write_bytes(data + b"more")
+    asked.clear()
+    chunks(part)
+    assert asked[0] == (0, 16) and sum(c for _, c in asked) == n and part.read_bytes() == data
