@@ -6,8 +6,9 @@ For every layer of bench/real_layers.toml (shapes the tuner model never trained 
    Session), cached per machine, ISA, kernel source and shape in `--refs` (a new kernel or host searches again);
    a run that measures something clearly faster makes that the reference of later runs.
 2. Every strategy tunes the layer from a cold build cache through the real Session (compile, worker, finalists),
-   with a budget of the largest of `--budgets` and no patience stop: `llm`, `anneal`, `random`, Optuna TPE and
-   Kernel Tuner (bench/peer_tuners.py). A strategy may stop early (llm does when it has converged).
+   with a budget of the largest of `--budgets`, spent whole (no patience stop): `llm`, `anneal`, `random`, Optuna
+   TPE and Kernel Tuner (bench/peer_tuners.py). Where a strategy said it had converged (llm) is kept: a session
+   without an explicit budget stops there, and "auto" reports that session (its evals, quality and wall time).
 3. The winner at budget b of a run is what its session would have kept had it stopped there: the session's own
    finalists of its first b evaluations (`tuner.session.pick_finalists`: the fastest few by search measurement
    within its margin, and the default), the fastest of them in the side-by-side rounds. The reference, every run's
@@ -21,7 +22,8 @@ For every layer of bench/real_layers.toml (shapes the tuner model never trained 
    config outside 5% of itself: the ceiling of any "within 5%" share.
 
 Printed: per strategy the geometric mean quality at each budget, the share within 5%, median evals to 5%, the
-median wall time of a cold session (compile included) and of reaching 5 evals; then the same per kernel; the load
+median wall time of a cold session (compile included) and of reaching 5 evals, the "auto" session (median evals,
+quality, seconds to its last eval); then the same per kernel; the load
 average beside each layer. Only ratios measured in the same rounds are compared (the machine is shared).
 """
 
@@ -71,6 +73,12 @@ class Run:
     quality: dict = field(default_factory=dict)  # budget -> quality of its winner at that budget
     final_quality: float | None = None
     evals_to: int | None = None
+    converged_at: int | None = None  # evals done when the strategy said it had converged (a default session stops)
+    auto_quality: float | None = None  # the winner of that session
+
+    @property
+    def auto_evals(self) -> int:
+        return min(self.converged_at or len(self.traj), len(self.traj))
 
     def finalists_at(self, n: int, default: Config) -> list[Config]:
         """The session's finalists had it stopped after n evaluations."""
@@ -125,8 +133,8 @@ def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int
     strat = strategy_obj(name, spec, spec.space(wl.shape, sess.hw), seed, budget)
     t0 = time.time()
     try:
-        res = sess.tune(spec, wl, strategy_obj=strat, seed=seed, budget=Budget(evals=budget, patience=None),
-                        force=True)
+        res = sess.tune(spec, wl, strategy_obj=strat, seed=seed, force=True,
+                        budget=Budget(evals=budget, patience=None, until_converged=False))
     finally:
         if hasattr(strat, "close"):
             strat.close()
@@ -136,7 +144,7 @@ def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int
              r["ts"] - start) for r in rows]
     note = "fell back to anneal (no usable model)" if "fallback" in (res.strategy_version or "") else ""
     return Run(name, res.evals, res.tuning_s or (time.time() - t0), res.timing, traj, res.config, note,
-               calls=list(getattr(strat, "calls", [])))
+               calls=list(getattr(strat, "calls", [])), converged_at=res.converged_at)
 
 
 def reference(sess, spec: KernelSpec, wl: Workload, evals: int, refs: dict, refs_path: Path) -> Config:
@@ -184,6 +192,7 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
               for n in range(1, len(r.traj) + 1)}
         r.quality = {b: at.get(min(b, len(r.traj))) for b in BUDGETS if b <= budget}
         r.final_quality = q.get(config_key(r.final))
+        r.auto_quality = at.get(r.auto_evals)
         r.evals_to = next((n for n in range(1, len(r.traj) + 1) if at.get(n) is not None and at[n] <= WITHIN), None)
     ref_ratio = ratio[config_key(ref)]
     return {"configs": len(keys), "ref_ms": got.median_ms(0), "best": wanted[best_key],
@@ -236,6 +245,11 @@ def summary(rows: list[dict], strategies: list[str], budget: int) -> list[dict]:
         d["median_s_to_5"] = statistics.median(t5) if t5 else None
         d["median_evals"] = statistics.median(r["evals"] for r in runs)
         d["gm_final"] = gmean([r["final_quality"] or 10.0 for r in runs])
+        autos = [r.get("auto_quality") or 10.0 for r in runs]
+        d["gm_auto"], d["within_auto"] = gmean(autos), sum(q <= WITHIN for q in autos) / len(autos)
+        d["median_auto_evals"] = statistics.median(r.get("auto_evals", r["evals"]) for r in runs)
+        auto_s = [r["auto_s"] for r in runs if r.get("auto_s") is not None]
+        d["median_auto_s"] = statistics.median(auto_s) if auto_s else None
         out.append(d)
     return out
 
@@ -243,10 +257,12 @@ def summary(rows: list[dict], strategies: list[str], budget: int) -> list[dict]:
 def print_summary(summ: list[dict], title: str) -> None:
     budgets = [b for b in BUDGETS if summ and f"gm@{b}" in summ[0]]
     hdr = ["strategy", "layers", *(f"@{b} gm / ≤5%" for b in budgets), "evals→5% med", "session gm", "evals",
-           "wall s", "s to 5 evals"]
+           "wall s", "s to 5 evals", "auto: evals", "gm / ≤5%", "s"]
     rows = [[d["strategy"], str(d["layers"]), *(f"{d[f'gm@{b}']:.3f} / {d[f'within@{b}']:.0%}" for b in budgets),
              f"{d['median_evals_to']:.1f}", f"{d['gm_final']:.3f}", f"{d['median_evals']:.0f}",
-             f"{d['median_wall_s']:.2f}", f"{d['median_s_to_5']:.2f}" if d["median_s_to_5"] is not None else "-"]
+             f"{d['median_wall_s']:.2f}", f"{d['median_s_to_5']:.2f}" if d["median_s_to_5"] is not None else "-",
+             f"{d['median_auto_evals']:.0f}", f"{d['gm_auto']:.3f} / {d['within_auto']:.0%}",
+             f"{d['median_auto_s']:.2f}" if d["median_auto_s"] is not None else "-"]
             for d in summ]
     w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(hdr)]
     print(title)
@@ -270,7 +286,8 @@ def run_dict(r: Run) -> dict:
     return {"evals": r.evals, "wall_s": r.wall_s, "timing": r.timing, "note": r.note, "final": r.final,
             "calls": r.calls,
             "final_quality": r.final_quality, "quality": r.quality, "evals_to": r.evals_to,
-            "seconds_to_5": r.seconds_to(5), "traj": [[c, ms, round(t, 3)] for c, ms, t in r.traj]}
+            "seconds_to_5": r.seconds_to(5), "converged_at": r.converged_at, "auto_evals": r.auto_evals,
+            "auto_quality": r.auto_quality, "auto_s": r.seconds_to(r.auto_evals) if r.traj else None, "traj": [[c, ms, round(t, 3)] for c, ms, t in r.traj]}
 
 
 # ---- main -------------------------------------------------------------------------------------------------

@@ -64,6 +64,23 @@ def test_patience_stops_a_search_that_stopped_improving(hw):
     assert r.evals == 6  # the first sets the best, five more without a gain beyond the tie threshold
 
 
+def test_a_converged_strategy_ends_a_session_without_an_explicit_budget_only(hw):
+    from tuner.strategies import RandomSearch
+
+    class Settles(RandomSearch):  # says it has converged after 4 evaluations
+        def converged(self) -> bool:
+            return len(self.seen) >= 4
+
+    space = GEMM.space(SMALL.shape, hw)
+    universe, table = _table(space, _by_distance(space))
+    auto = _session(universe, table).tune(GEMM, SMALL, strategy_obj=Settles(universe, 0), batch=2, force=True,
+                                          budget=Budget(evals=12))
+    assert (auto.evals, auto.converged_at) == (4, 4)
+    spent = _session(universe, table).tune(GEMM, SMALL, strategy_obj=Settles(universe, 0), batch=2, force=True,
+                                           budget=Budget(evals=12, patience=None, until_converged=False))
+    assert (spent.evals, spent.converged_at) == (12, 4)
+
+
 def test_a_slow_search_result_is_no_finalist_and_ties_go_to_the_default(hw):
     space = GEMM.space(SMALL.shape, hw)
     default = space.valid_default()

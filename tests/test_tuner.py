@@ -278,6 +278,9 @@ class _ListStrategy:
         out, self.cfgs = self.cfgs[:n], self.cfgs[n:]
         return out
 
+    def converged(self):
+        return False
+
     def tell(self, cfg, m):
         pass
 

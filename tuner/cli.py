@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workloads", action="append", metavar="FILE",
                    help="a workloads file (TOML, e.g. from `edgetune workloads import`); repeatable")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help=f"one of: {', '.join(STRATEGIES)}")
-    p.add_argument("--budget", type=int, default=40, help="max evaluations per workload")
+    p.add_argument("--budget", type=int,
+                   help=f"evaluations per workload, spent whole (default: up to {Budget.evals}, stopping when the "
+                        "strategy has converged; llm converges in about 5-12)")
     p.add_argument("--seconds", type=float, help="max tuning seconds per workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="retune even if this key is already tuned")
@@ -134,7 +136,7 @@ def select_targets(kernels: list[str] | None, workloads: list[str] | None, shape
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    if args.budget <= 0:
+    if args.budget is not None and args.budget <= 0:
         raise BadInput(f"--budget must be a positive number of evaluations, got {args.budget}")
     if args.seconds is not None and args.seconds <= 0:
         raise BadInput(f"--seconds must be positive, got {args.seconds}")
@@ -152,12 +154,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     meter = meter_from_config(cfg.power) if cfg and objective_name != "latency" else None
     if meter:
         meter.start()
+    budget = Budget(seconds=args.seconds) if args.budget is None else \
+        Budget(evals=args.budget, seconds=args.seconds, until_converged=False)
     with Runner() as runner, progress(not args.json) as bar:
         objective = Objective.create(objective_name, meter)
         session = Session(db, runner, hw)
         overall = bar.add_task("tuning", total=len(targets)) if bar else None
         for spec, wl in targets:
-            task = bar.add_task(f"  {spec.name}/{wl.name}", total=args.budget) if bar else None
+            task = bar.add_task(f"  {spec.name}/{wl.name}", total=budget.evals) if bar else None
 
             def tick(done: int, total: int, msg: str, task: Any = task) -> None:
                 if bar:
@@ -165,7 +169,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
             try:
                 res = session.tune(spec, wl, strategy=args.strategy, seed=args.seed, force=args.force,
-                                   budget=Budget(evals=args.budget, seconds=args.seconds), progress=tick,
+                                   budget=budget, progress=tick,
                                    objective=objective)
                 results.append(res.to_dict())
             except EdgetuneError as e:
@@ -173,7 +177,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     raise
                 failures.append({"kernel": spec.name, "workload": wl.name, "error": str(e)})
             if bar:
-                bar.update(task, completed=args.budget)
+                bar.update(task, completed=budget.evals)
                 bar.advance(overall)
     if meter:
         meter.stop()

@@ -37,9 +37,13 @@ FINALIST_MARGIN = 1.15  # a config measured over 15% slower than the best while 
 
 @dataclass
 class Budget:
+    """What a session may spend. A strategy that can tell its search has converged (llm) ends the session there
+    when `until_converged`, the default: a user who gave no budget wants the answer fast. An explicit eval budget
+    (`tune --budget N`) is spent whole, as peers spend theirs, the strategy searching on past convergence."""
     evals: int = 40
     seconds: float | None = None
     patience: int | None = 15  # stop after this many evals without a >TIE improvement
+    until_converged: bool = True
 
 
 @dataclass
@@ -68,6 +72,7 @@ class TuneResult:
     tuned_at: float = field(default_factory=time.time)
     # where tuning_s went: compile_s, measure_s, strategy_s (after a resume, this process's part only)
     timing: dict = field(default_factory=dict)
+    converged_at: int | None = None  # evals done when the strategy first said it had converged
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -149,7 +154,12 @@ class Session:
         batch = batch or max(1, self.hw.cores)
         best_ms, since_best = float("inf"), 0
         relearned = objective.fallback_reason is not None
+        self.converged_at = None
         while len(evals) < budget.evals:
+            if self.converged_at is None and evals and strat.converged():
+                self.converged_at = len(evals)
+            if budget.until_converged and self.converged_at is not None:
+                break
             if budget.seconds is not None and time.monotonic() - t0 >= budget.seconds:
                 break
             if budget.patience is not None and since_best >= budget.patience:
@@ -258,6 +268,7 @@ class Session:
             ort_ms=self._ort_ms(ev, spec, wl), objective=objective.active, objective_note=objective.fallback_reason,
             energy_j=wm.energy_j, default_energy_j=dm.energy_j if dm else None,
             timing={k: round(v, 3) for k, v in {**ev.timing, **self.timing}.items()},
+            converged_at=self.converged_at,
         )
         self.db.finish_session(session_id, "done", res.to_dict())
         activate(self.db, spec.name, wl.name, res.active_entry(), self.hw)

@@ -40,6 +40,11 @@ class Strategy(abc.ABC):
     def ask(self, n: int) -> list[Config]:
         """Up to n new configs; fewer (or none) when the strategy has nothing left to try."""
 
+    def converged(self) -> bool:
+        """Whether the search has found what it can expect to: a session without an explicit budget stops here.
+        Classical strategies cannot tell, and run to the budget or the session's patience."""
+        return False
+
     def tell(self, cfg: Config, m: Measurement) -> None:
         self.seen.add(config_key(cfg))
         if m.ok and (self.best is None or m.value < self.best[0]):

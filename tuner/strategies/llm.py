@@ -11,9 +11,10 @@
    that only ever measured slow is down-weighted). The batch holds the model's best unmeasured config under that
    evidence, and its best unmeasured one-knob neighbour of the incumbent (the model as acquisition function over
    a local step, as in LLM-seeded local search).
-3. It stops once `patience` evaluations in a row brought no gain beyond the noise (3%) and the incumbent's
-   neighbours the model ranks highest have been measured; a first batch that spread widely (the model's guesses
-   were far apart) doubles the patience, since the optimum may still be far.
+3. It has converged once `patience` evaluations in a row brought no gain beyond the noise (3%); a first batch that
+   spread widely (the model's guesses were far apart) doubles the patience, since the optimum may still be far. A
+   session without an explicit budget stops there; one with a budget goes on steering (then local search once the
+   model has nothing left to propose) until the budget is spent.
 
 A model trained before the kernel's knobs changed proposes the knobs it knows (the others at their defaults, which
 every other neighbour step then explores; tuner.model.proposer.unknown_knobs), with a version marked `mapped`. A
@@ -256,8 +257,6 @@ class LLMStrategy(Strategy):
                 return list(self.first)
         if self.fallback is not None:  # no usable model (from the start, or it failed mid-session)
             return self.fallback.ask(n)
-        if self._converged():
-            return []
         if self.refiner is None:
             out = self._steered(n)
             if out or self.fallback is not None:
@@ -276,7 +275,9 @@ class LLMStrategy(Strategy):
             out = out[:n - 1] + [local]
         return out[:n]
 
-    def _converged(self) -> bool:
+    def converged(self) -> bool:
+        if self.fallback is not None:
+            return False
         wide = self.spread is not None and self.spread > WIDE_SPREAD
         return self.since_best >= self.patience * (2 if wide else 1)
 
