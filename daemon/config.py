@@ -52,13 +52,14 @@ class ModelUpdateConfig:
 
     enabled: bool = True
     trusted_keys: list[str] = field(default_factory=list)  # ed25519 public key files (PEM or base64 raw)
-    fleet_url: str = ""  # the fleet server's base URL; a release's file is fleet_url + manifest url
+    fleet_url: str = ""  # the fleet server's base URL; a release's file is fleet_url + manifest url (else MQTT chunks)
     max_bytes: int = 16 << 20  # the largest model file this device takes
     latency_budget_ms: float = 5000.0  # the health check: proposing for one workload may take this long
     top_k: int = 3  # the health check compares the measured best of each model's top-K
     rounds: int = 5  # interleaved rounds of that comparison
     tolerance: float = 0.05  # the new model's top-K may measure up to this much slower (noise) and still pass
     http_timeout_s: float = 30.0
+    mqtt_timeout_s: float = 30.0  # a download in MQTT chunks asks again after this long without a chunk
 
 
 def _trusted(v: list[str]) -> str | None:
@@ -87,4 +88,5 @@ SECTIONS.append(Section("model_update", ModelUpdateConfig, {
     "rounds": lambda v: None if 1 <= v <= 50 else "must be 1-50",
     "tolerance": lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
     "http_timeout_s": positive,
+    "mqtt_timeout_s": positive,
 }))

@@ -1,10 +1,21 @@
-"""Download a release's model file over HTTP into a `.part` file, resuming from what it already holds.
+"""Download a release's model file into a `.part` file, over HTTP or in MQTT chunks, resuming from what it already
+holds. The caller checks size and sha256 (edgetune.release.check_file) of the finished part, whichever way it came.
 
-A restart, a dropped connection or a server that stops half-way costs only the missing bytes: every request
+HTTP: a restart, a dropped connection or a server that stops half-way costs only the missing bytes: every request
 after the first asks for `Range: bytes=<have>-` and accepts only a 206 whose Content-Range starts exactly there
 and names the manifest's size (a 200 means the server ignored the range: the part starts over). Nothing past the
-manifest's size is ever written, so a server (or an attacker in between) cannot fill the disk; the caller checks
-size and sha256 (edgetune.release.check_file) before the file goes anywhere near a slot. Stdlib urllib only.
+manifest's size is ever written, so a server (or an attacker in between) cannot fill the disk. Stdlib urllib only.
+
+MQTT (edgetune.protocol model/chunk, for devices that cannot reach the fleet's HTTP server): the device asks
+(model/chunk/req) for a window of the chunks it misses, at most CHUNKS_PER_REQUEST, and asks again when no chunk
+came for `timeout` s; RETRIES such silences in a row fail the download. Each chunk is written at its offset and
+fsynced, and only then is its index appended to `<part>.chunks` (first line: the chunk size), so after a restart
+or kill -9 the chunks listed there are not asked for again (a torn last line is ignored). A chunk that is
+malformed, oversized, of another file, past the end or of the wrong length for its index is refused with the
+reason in the log, and asked for again: nothing written is touched. The fleet's `error` answer (e.g. a file it
+does not have) fails the download with that reason. A part begun over HTTP counts its whole chunks as held, and
+an HTTP download after chunks keeps only the chunks in one run from the start (the rest of a sparse part would
+read as zeros).
 """
 
 from __future__ import annotations
@@ -15,11 +26,15 @@ import logging
 import os
 import re
 import socket
+import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
+from edgetune.atomic import write_atomic
+from edgetune.protocol import CHUNKS_PER_REQUEST, ChunkRequest, ProtocolError, chunk_count, parse_chunk
 from edgetune.release import DISK_FULL, DOWNLOAD_FAILED, TOO_LARGE
 
 log = logging.getLogger(__name__)
@@ -31,9 +46,11 @@ CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 class FetchFailed(Exception):
-    def __init__(self, reason: str, message: str):
+    """`unreachable`: the fleet's HTTP server never answered (a device may then fetch over MQTT)."""
+
+    def __init__(self, reason: str, message: str, unreachable: bool = False):
         super().__init__(f"{reason}: {message}")
-        self.reason, self.message = reason, message
+        self.reason, self.message, self.unreachable = reason, message, unreachable
 
 
 class Stopped(Exception):
@@ -45,24 +62,23 @@ def fetch(url: str, part: Path, size: int, *, timeout: float, stopping: Callable
     """Fill `part` up to `size` bytes from `url`. `stopping(wait_s)` waits up to wait_s and says whether to stop
     (it is also asked, with 0, between chunks). FetchFailed(reason) when it cannot finish."""
     part.parent.mkdir(parents=True, exist_ok=True)
-    have = part.stat().st_size if part.exists() else 0
-    if have > size:  # not this release's bytes: start over
-        part.unlink()
-        have = 0
+    have = _contiguous(part, size)
     failures, wait, best = 0, BACKOFF_S, have
     while have < size:
         try:
             have = _get(url, part, have, size, timeout, stopping, progress)
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError) as e:
-            have = part.stat().st_size if part.exists() else 0
+            have = _contiguous(part, size)
             # progress is a byte never held before: a server that always stops at the same place fails for good
             failures = 0 if have > best else failures + 1
             best = max(best, have)
             log.warning("model download from %s stopped at %d of %d bytes (%s); attempt %d of %d without progress",
                         url, have, size, e, failures, RETRIES)
             if failures >= RETRIES:
+                unreachable = not isinstance(e, http.client.HTTPException) and not (
+                    isinstance(e, urllib.error.URLError) and not isinstance(e.reason, OSError))
                 raise FetchFailed(DOWNLOAD_FAILED, f"{url}: {e} ({RETRIES} attempts without progress, {have} of "
-                                                   f"{size} bytes kept for the next try)") from None
+                                                   f"{size} bytes kept for the next try)", unreachable) from None
             if stopping(wait):
                 raise Stopped from None
             wait = BACKOFF_S if failures == 0 else min(wait * 2, 30.0)
@@ -77,6 +93,7 @@ def _get(url: str, part: Path, have: int, size: int, timeout: float, stopping: C
     except urllib.error.HTTPError as e:
         if e.code == 416 and have:  # the server's file is shorter than our part: not ours, start over
             part.unlink()
+            _index(part).unlink(missing_ok=True)
             raise urllib.error.URLError(f"range {have}- not satisfiable; starting over") from None
         if 500 <= e.code < 600:
             raise urllib.error.URLError(f"HTTP {e.code}") from None
@@ -98,6 +115,7 @@ def _get(url: str, part: Path, have: int, size: int, timeout: float, stopping: C
         fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.ftruncate(fd, have)
+            _index(part).unlink(missing_ok=True)  # from here on the part is one run from the start
             os.lseek(fd, have, os.SEEK_SET)
             while have < size:
                 if stopping(0):
@@ -118,6 +136,138 @@ def _get(url: str, part: Path, have: int, size: int, timeout: float, stopping: C
         if have < size:
             raise http.client.IncompleteRead(b"", size - have)
     return have
+
+
+def _index(part: Path) -> Path:
+    return part.with_name(part.name + ".chunks")
+
+
+def _held(part: Path, size: int, chunk_size: int) -> set[int]:
+    """The chunks of `part` on disk: those its index lists (for this chunk size), else the whole chunks of an HTTP
+    prefix."""
+    n, index = chunk_count(size, chunk_size), _index(part)
+    if index.exists():
+        lines = index.read_text().split("\n")
+        if lines[0] == str(chunk_size):
+            return {int(x) for x in lines[1:-1] if x.isdigit() and int(x) < n}  # [-1]: after the last newline
+    have = min(part.stat().st_size if part.exists() else 0, size)
+    return set(range(n if have == size else have // chunk_size))
+
+
+def _contiguous(part: Path, size: int) -> int:
+    """The bytes from the start of `part` that an HTTP download may continue from (see the module doc); the part
+    is cut there only when the server answers (`_get`), so chunks stay usable while HTTP is unreachable."""
+    have = part.stat().st_size if part.exists() else 0
+    index = _index(part)
+    if index.exists():
+        cs = _index_chunk_size(index)
+        held = _held(part, size, cs) if cs else set()
+        have = min(have, next(i for i in range(len(held) + 1) if i not in held) * cs)  # up to the first gap
+    return have if have <= size else 0  # longer: not this release's bytes, start over
+
+
+def _index_chunk_size(index: Path) -> int:
+    first = index.read_text().split("\n")[0] if index.exists() else ""
+    return int(first) if first.isdigit() else 0
+
+
+def held_bytes(part: Path, size: int) -> int:
+    """How much of the file `part` holds, whichever way it came (for the `downloading` report)."""
+    cs = _index_chunk_size(_index(part))
+    if not cs:
+        return min(part.stat().st_size if part.exists() else 0, size)
+    return sum(min(cs, size - i * cs) for i in _held(part, size, cs))
+
+
+@dataclass
+class _Assembly:
+    """The chunks of one file being written into its part: `take` writes a received chunk if it fits."""
+
+    part: Path
+    size: int
+    sha256: str
+    chunk_size: int
+    held: set[int]
+    fd: int
+    listed: TextIO  # the index, open for appending
+
+    def take(self, payload: bytes) -> bool:
+        """Whether `payload` was a new chunk of this file, now on disk; FetchFailed for the fleet's error."""
+        try:
+            c = parse_chunk(payload, self.chunk_size)
+        except ProtocolError as e:
+            log.warning("model download: refused a chunk: %s", e)
+            return False
+        if c.sha256 != self.sha256:
+            log.info("model download: ignoring a chunk of another file (%s…)", c.sha256[:16])
+            return False
+        if c.error is not None:
+            raise FetchFailed(DOWNLOAD_FAILED, f"the fleet cannot send {self.sha256[:16]}… over MQTT: {c.error}")
+        n = chunk_count(self.size, self.chunk_size)
+        expected = min(self.chunk_size, self.size - c.index * self.chunk_size)
+        if c.index >= n or len(c.data) != expected:
+            log.warning("model download: refused chunk %d: %s", c.index, f"past the file's {n} chunks" if c.index >= n
+                        else f"{len(c.data)} bytes, that chunk has {expected}")
+            return False
+        if c.index in self.held:
+            return False
+        os.lseek(self.fd, c.index * self.chunk_size, os.SEEK_SET)
+        _write(self.fd, c.data, self.part)
+        os.fsync(self.fd)  # the bytes are on disk before the index says so
+        self.listed.write(f"{c.index}\n")
+        self.listed.flush()
+        self.held.add(c.index)
+        return True
+
+    def window(self) -> ChunkRequest:
+        """A request for the first run of missing chunks, at most CHUNKS_PER_REQUEST long."""
+        n = chunk_count(self.size, self.chunk_size)
+        first = min(i for i in range(n) if i not in self.held)
+        count = next((k for k in range(1, CHUNKS_PER_REQUEST) if first + k >= n or first + k in self.held),
+                     CHUNKS_PER_REQUEST)
+        return ChunkRequest(self.sha256, self.chunk_size, first, count)
+
+
+def fetch_chunks(part: Path, size: int, sha256: str, chunk_size: int, *, timeout: float,
+                 request: Callable[[bytes], None], receive: Callable[[float], bytes | None],
+                 stopping: Callable[[float], bool]) -> None:
+    """Fill `part` with the `size` bytes of file `sha256` from MQTT chunks (see the module doc): `request` sends a
+    model/chunk/req payload, `receive(wait_s)` returns the next model/chunk payload or None after wait_s."""
+    part.parent.mkdir(parents=True, exist_ok=True)
+    index = _index(part)
+    if _index_chunk_size(index) != chunk_size:  # none (an HTTP prefix, if anything), another size, or damaged:
+        if part.exists():  # keep the run from the start
+            os.truncate(part, _contiguous(part, size))
+        index.unlink(missing_ok=True)
+    n, held = chunk_count(size, chunk_size), _held(part, size, chunk_size)
+    if not index.exists():
+        write_atomic(index, "".join(f"{i}\n" for i in [chunk_size, *sorted(held)]).encode())
+    if held:
+        log.info("model download over MQTT: resuming with %d of %d chunks on disk", len(held), n)
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with index.open("a") as listed:
+            a, silences = _Assembly(part, size, sha256, chunk_size, held, fd, listed), 0
+            while len(held) < n:
+                want = a.window()
+                request(want.encode())
+                got, deadline = False, time.monotonic() + timeout
+                while not all(i in held for i in range(want.first, want.first + want.count)) and \
+                        time.monotonic() < deadline:
+                    if stopping(0):
+                        raise Stopped
+                    payload = receive(deadline - time.monotonic())
+                    if payload is not None and a.take(payload):
+                        got, deadline = True, time.monotonic() + timeout
+                silences = 0 if got else silences + 1
+                if silences >= RETRIES:
+                    raise FetchFailed(DOWNLOAD_FAILED, f"no chunk of {sha256[:16]}… came over MQTT in {RETRIES} "
+                                                       f"requests of {timeout:g} s each ({len(held)} of {n} chunks "
+                                                       "kept for the next try)")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    index.unlink()
 
 
 def _write(fd: int, chunk: bytes, part: Path) -> None:

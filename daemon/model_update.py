@@ -5,8 +5,9 @@ through the newest one:
 
 1. verify (edgetune.release: signature by a trusted key, size cap, prompt format, expiry, ISA, edgetune version,
    no downgrade unless a signed rollback) -> `rejected` with the reason code;
-2. download (daemon.model_fetch: `.part` file, Range resume) -> `downloading`, then `failed` (disk_full,
-   download_failed) or on to
+2. download (daemon.model_fetch: `.part` file; over HTTP with Range resume when `fleet_url` is set and answers,
+   else in MQTT chunks when the manifest offers them, resuming by chunk) -> `downloading`, then `failed`
+   (disk_full, download_failed) or on to
 3. verify the file (size + sha256) -> `verifying` or `rejected`, and stage it in the slot the pointer does not
    name (tuner.model.slots);
 4. health check in a child process (daemon.model_check) -> `evaluating`, then `committed` (the pointer names the
@@ -29,13 +30,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from daemon.config import ModelUpdateConfig
 from daemon.model_check import request as check_request
-from daemon.model_fetch import FetchFailed, Stopped, fetch
+from daemon.model_fetch import FetchFailed, Stopped, fetch, fetch_chunks, held_bytes
 from daemon.store import DaemonStore
 from edgetune import __version__
 from edgetune import release as rel
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 2  # health checks of one release started before a restart counts as `interrupted`
 HEALTH_BASE_S, HEALTH_PER_WORKLOAD_S = 300.0, 300.0  # a health check that takes longer has hung
 MAX_RELEASE_BYTES = 64 * 1024  # a model/release payload: a manifest and a signature
+CHUNK_INBOX_MAX = 64  # model/chunk payloads waiting for the model thread; more are dropped (and asked for again)
 ROOT = str(Path(__file__).resolve().parent.parent)
 JOB, DONE, STATE = "model_job", "model_done", "model_state"  # daemon.db keys
 
@@ -109,11 +112,13 @@ def bundled_entry() -> dict | None:
 
 class Updater:
     def __init__(self, cfg: ModelUpdateConfig, store: DaemonStore, publish: Callable[[dict], None], hw: Any,
-                 pairs: Callable[[], list], committed: Callable[[list[str]], None]):
+                 pairs: Callable[[], list], committed: Callable[[list[str]], None],
+                 request_chunks: Callable[[bytes], None]):
         self.cfg, self.store, self.publish, self.hw = cfg, store, publish, hw
-        self._pairs, self._committed = pairs, committed
+        self._pairs, self._committed, self._request_chunks = pairs, committed, request_chunks
         self._cond = threading.Condition()
         self._inbox: bytes | None = None  # the newest model/release payload not yet looked at
+        self._chunks: deque[bytes] | None = None  # model/chunk payloads, while an MQTT download runs
         self._stopping = False
         self._child: subprocess.Popen | None = None
         self._bundled = bundled_entry()
@@ -131,6 +136,14 @@ class Updater:
         """A model/release message (the broker thread): only the newest one matters."""
         with self._cond:
             self._inbox = payload
+            self._cond.notify_all()
+
+    def chunk(self, payload: bytes) -> None:
+        """A model/chunk message (the broker thread); kept only while a download over MQTT runs."""
+        with self._cond:
+            if self._chunks is None or len(self._chunks) >= CHUNK_INBOX_MAX:
+                return
+            self._chunks.append(payload)
             self._cond.notify_all()
 
     def stop(self) -> None:
@@ -275,23 +288,54 @@ class Updater:
         return job
 
     def _download(self, release: Release, m: Manifest, job: dict, part: Path) -> None:
-        if not self.cfg.fleet_url:
-            raise Final("failed", rel.DOWNLOAD_FAILED, "no [model_update] fleet_url to download the model from")
         self.store.set(JOB, job)
-        for stale in part.parent.glob("*.part") if part.parent.exists() else ():
-            if stale != part:
+        for stale in part.parent.glob("*.part*") if part.parent.exists() else ():
+            if not stale.name.startswith(part.name):
                 stale.unlink()
-        have = part.stat().st_size if part.exists() else 0
+        have = held_bytes(part, m.size)
         self._report("downloading", release, None, f"resuming at byte {have} of {m.size}" if have else
                      f"{m.size} bytes")
-        url = self.cfg.fleet_url.rstrip("/") + m.url
         try:
-            fetch(url, part, m.size, timeout=self.cfg.http_timeout_s, stopping=self._download_stops(release))
+            source = self._transfer(release, m, part)
         except FetchFailed as e:
             if e.reason != rel.DOWNLOAD_FAILED:  # a full disk gets its space back; an oversized file is not ours
                 part.unlink(missing_ok=True)
+                part.with_name(part.name + ".chunks").unlink(missing_ok=True)
             raise Final("failed" if e.reason != rel.TOO_LARGE else "rejected", e.reason, e.message) from None
-        log.info("model update: downloaded v%d (%d bytes) from %s", m.version, m.size, url)
+        log.info("model update: downloaded v%d (%d bytes) from %s", m.version, m.size, source)
+
+    def _transfer(self, release: Release, m: Manifest, part: Path) -> str:
+        """Fill the part over HTTP when fleet_url is set and answers, else in MQTT chunks if the release offers
+        them; where it came from."""
+        stopping = self._download_stops(release)
+        if self.cfg.fleet_url:
+            url = self.cfg.fleet_url.rstrip("/") + m.url
+            try:
+                fetch(url, part, m.size, timeout=self.cfg.http_timeout_s, stopping=stopping)
+                return url
+            except FetchFailed as e:
+                if not (e.unreachable and m.mqtt_chunk_size):
+                    raise
+                log.warning("model update: %s; fetching the file over MQTT instead", e)
+        if not m.mqtt_chunk_size:
+            raise FetchFailed(rel.DOWNLOAD_FAILED, "no [model_update] fleet_url to download the model from, and "
+                                                   "the release offers no MQTT transfer")
+        with self._cond:
+            self._chunks = deque()
+        try:
+            fetch_chunks(part, m.size, m.sha256, m.mqtt_chunk_size, timeout=self.cfg.mqtt_timeout_s,
+                         request=self._request_chunks, receive=self._next_chunk, stopping=stopping)
+        finally:
+            with self._cond:
+                self._chunks = None
+        return "MQTT chunks"
+
+    def _next_chunk(self, wait_s: float) -> bytes | None:
+        """The next model/chunk payload, waiting up to wait_s (less when the daemon stops or a release comes)."""
+        with self._cond:
+            if not self._chunks and wait_s > 0 and not (self._stopping or self._inbox is not None):
+                self._cond.wait(wait_s)
+            return self._chunks.popleft() if self._chunks else None
 
     def _download_stops(self, release: Release) -> Callable[[float], bool]:
         def stopping(wait_s: float) -> bool:

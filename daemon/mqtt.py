@@ -34,10 +34,13 @@ RESEND_CHECK_S = 5.0  # how often the link looks for rows whose fleet ack is ove
 class Link(Handler):
     def __init__(self, cfg: BrokerSettings, topics: Topics, outbox: Outbox, *, will: Callable[[], bytes],
                  on_connected: Callable[[], None], on_command: Callable[[bytes], None],
-                 on_release: Callable[[bytes], None] | None = None):
+                 on_release: Callable[[bytes], None] | None = None,
+                 on_chunk: Callable[[bytes], None] | None = None):
         self.cfg, self.topics, self.outbox = cfg, topics, outbox
         self._on_connected, self._on_command, self._on_release = on_connected, on_command, on_release
-        subs = (topics.cmd_req, topics.ack) + ((topics.model_release,) if on_release else ())
+        self._on_chunk = on_chunk
+        subs = (topics.cmd_req, topics.ack) + ((topics.model_release,) if on_release else ()) + \
+            ((topics.model_chunk,) if on_chunk else ())
         self.client = Client(cfg, topics.device_id, self, subscriptions=subs,
                              session_expiry_s=cfg.session_expiry_s, will=lambda: Will(topics.status, will()))
         self._resend_checked = 0.0
@@ -63,6 +66,10 @@ class Link(Handler):
     def wake(self) -> None:
         """New rows in the outbox: send them now instead of at the next poll."""
         self.client.wake()
+
+    def send_now(self, topic: str, payload: bytes) -> None:
+        """Publish once, outside the outbox: on this connection, or the next one if there is none now."""
+        self.client.call_soon(lambda conn: conn.publish(topic, payload))
 
     def flush(self, timeout: float) -> bool:
         """Wait until the broker has acknowledged everything queued, while connected; True when empty."""
@@ -126,6 +133,8 @@ class Link(Handler):
             self._fleet_ack(msg.payload)
         elif msg.topic == self.topics.model_release and self._on_release:
             self._on_release(msg.payload)  # daemon.model_update checks it, in its own thread
+        elif msg.topic == self.topics.model_chunk and self._on_chunk:
+            self._on_chunk(msg.payload)
 
     def _fleet_ack(self, payload: bytes) -> None:
         try:

@@ -168,7 +168,7 @@ class Daemon:
         self.ops = ThreadPoolExecutor(1, thread_name_prefix="ops")
         if self.cfg.model_update.enabled and self.updater is None:
             self.updater = Updater(self.cfg.model_update, self.store, self.publisher.model_state, self.hw,
-                                   lambda: self.pairs, self._model_committed)
+                                   lambda: self.pairs, self._model_committed, self._request_chunks)
         log.info("edgetune daemon %s: device %s, session %d, hw %s, fw %s, %d workload(s) configured", __version__,
                  self.cfg.device_id, self.session, self.hw.hw_fingerprint, self.hw.fw_fingerprint, len(self.pairs))
         self.journal.prune(TERMINAL, JOURNAL_KEEP_S)
@@ -190,10 +190,17 @@ class Daemon:
         self.link = Link(self.cfg.mqtt, topics, self.outbox,
                          will=lambda: encode(status_doc("lost", self.session)),
                          on_connected=self._connected, on_command=self.commands.handle,
-                         on_release=self.updater.offer if self.updater else None)
+                         on_release=self.updater.offer if self.updater else None,
+                         on_chunk=self.updater.chunk if self.updater else None)
         self.publisher.wake = self.link.wake
         self.link.start()
         self.link.attempted.wait(CONNECT_TIMEOUT_S + 1)
+
+    def _request_chunks(self, payload: bytes) -> None:
+        """A model/chunk/req of the updater: sent now, not through the outbox (a stale request is worth nothing;
+        the updater asks again when the chunks do not come)."""
+        if self.link is not None:
+            self.link.send_now(self.publisher.topics.model_chunk_req, payload)
 
     def _connected(self) -> None:
         """Every (re)connect: status online, and the retained documents afresh (the broker may have lost them)."""

@@ -14,13 +14,17 @@ inside any broker's limits.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from edgetune.errors import BadInput
+from edgetune.release import CHUNK_BYTES_MAX, CHUNK_BYTES_MIN, SHA256_RE
 
 VERSION = "v1"
 PREFIX = f"edgetune/{VERSION}"
@@ -114,7 +118,19 @@ MODEL_RELEASE = TopicSpec("model/release", FLEET_TO_DEVICE, True, ("manifest", "
 MODEL_STATE = TopicSpec("model/state", DEVICE_TO_FLEET, True,
                         ("state", "current", "previous", "rollout_id", "phase", "version", "reason", "detail",
                          "ts"))
-TOPICS = (STATUS, INFO, CONFIG_ACTIVE, TUNING_RECORD, TELEMETRY, CMD_REQ, CMD_RES, ACK, MODEL_RELEASE, MODEL_STATE)
+# a release's file over MQTT, for devices that cannot reach the fleet's HTTP server: the device asks for the chunks
+# it misses, a window at a time (flow control: nothing is sent that nobody asked for, nothing is retained); the
+# fleet answers each request with one model/chunk per chunk, or one carrying `error` when it cannot serve it
+MODEL_CHUNK_REQ = TopicSpec("model/chunk/req", DEVICE_TO_FLEET, False, ("sha256", "chunk_size", "first", "count",
+                                                                        "ts"))
+MODEL_CHUNK = TopicSpec("model/chunk", FLEET_TO_DEVICE, False, ("sha256", "chunk_size", "index", "data", "error",
+                                                                 "ts"))
+TOPICS = (STATUS, INFO, CONFIG_ACTIVE, TUNING_RECORD, TELEMETRY, CMD_REQ, CMD_RES, ACK, MODEL_RELEASE, MODEL_STATE,
+          MODEL_CHUNK_REQ, MODEL_CHUNK)
+
+CHUNK_BYTES = 64 * 1024  # the chunk size the fleet offers in its manifests
+CHUNKS_PER_REQUEST = 16  # the most chunks one model/chunk/req may ask for
+MAX_CHUNK_REQ_BYTES = 1024
 
 
 # ---- ids ---------------------------------------------------------------------------------------------------------
@@ -176,6 +192,8 @@ class Topics:
     ack = _topic(ACK)
     model_release = _topic(MODEL_RELEASE)
     model_state = _topic(MODEL_STATE)
+    model_chunk_req = _topic(MODEL_CHUNK_REQ)
+    model_chunk = _topic(MODEL_CHUNK)
 
     def cmd_res(self, command_id: str | None) -> str:
         """cmd/res/{id}; a request without a usable id is answered on cmd/res/invalid."""
@@ -254,3 +272,85 @@ def decode(payload: bytes, what: str, limit: int = MAX_PAYLOAD_BYTES) -> dict:
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what}: not a JSON object (a JSON {type(obj).__name__})")
     return obj
+
+
+# ---- model file chunks -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """model/chunk/req: chunks first .. first+count-1 of the file with this sha256, cut at chunk_size bytes."""
+
+    sha256: str
+    chunk_size: int
+    first: int
+    count: int
+
+    def encode(self) -> bytes:
+        return encode({"sha256": self.sha256, "chunk_size": self.chunk_size, "first": self.first,
+                       "count": self.count, "ts": time.time()})
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """model/chunk: chunk `index` of a file (its bytes `data`), or the fleet's `error` for a request of it."""
+
+    sha256: str
+    chunk_size: int
+    index: int
+    data: bytes
+    error: str | None = None
+
+    def encode(self) -> bytes:
+        return encode({"sha256": self.sha256, "chunk_size": self.chunk_size, "index": self.index,
+                       "data": base64.b64encode(self.data).decode(), "error": self.error, "ts": time.time()})
+
+
+def chunk_count(size: int, chunk_size: int) -> int:
+    return -(-size // chunk_size)
+
+
+def _int_field(doc: dict, name: str, low: int, high: int, what: str) -> int:
+    v = doc.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+        raise ProtocolError(f"{what}: {name} {str(v)[:40]!r} must be an integer in {low}..{high}")
+    return v
+
+
+def _sha_field(doc: dict, what: str) -> str:
+    sha = doc.get("sha256")
+    if not isinstance(sha, str) or not SHA256_RE.fullmatch(sha):
+        raise ProtocolError(f"{what}: sha256 {str(sha)[:80]!r} must be 64 lowercase hex digits")
+    return sha
+
+
+def parse_chunk_request(payload: bytes) -> ChunkRequest:
+    """A model/chunk/req payload, or ProtocolError saying what is wrong with it."""
+    what = MODEL_CHUNK_REQ.sub
+    doc = decode(payload, what, limit=MAX_CHUNK_REQ_BYTES)
+    return ChunkRequest(_sha_field(doc, what), _int_field(doc, "chunk_size", CHUNK_BYTES_MIN, CHUNK_BYTES_MAX, what),
+                        _int_field(doc, "first", 0, 1 << 31, what),
+                        _int_field(doc, "count", 1, CHUNKS_PER_REQUEST, what))
+
+
+def max_chunk_message(chunk_size: int) -> int:
+    """The largest model/chunk payload of this chunk size: base64 of the bytes plus the other fields."""
+    return 4 * chunk_count(chunk_size, 3) + 1024
+
+
+def parse_chunk(payload: bytes, chunk_size: int) -> Chunk:
+    """A model/chunk payload for a transfer cut at `chunk_size`, or ProtocolError (oversized, not JSON, a bad
+    field, data that is not base64 or longer than a chunk)."""
+    what = MODEL_CHUNK.sub
+    doc = decode(payload, what, limit=max_chunk_message(chunk_size))
+    sha, error = _sha_field(doc, what), doc.get("error")
+    if error is not None:
+        return Chunk(sha, chunk_size, -1, b"", str(error)[:500])
+    size = _int_field(doc, "chunk_size", chunk_size, chunk_size, what)
+    index = _int_field(doc, "index", 0, 1 << 31, what)
+    try:
+        data = base64.b64decode(doc.get("data") if isinstance(doc.get("data"), str) else "-", validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(f"{what}: data of chunk {index} is not base64") from None
+    if not data or len(data) > size:
+        raise ProtocolError(f"{what}: chunk {index} holds {len(data)} bytes, not 1..{size}")
+    return Chunk(sha, size, index, data)

@@ -31,6 +31,7 @@ PROMPT_FORMAT = "edgetune-prompt-4"  # tuner.model.inference.PROMPT_FORMAT: what
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 KEY_ID_RE = re.compile(r"[0-9a-f]{16}")
+CHUNK_BYTES_MIN, CHUNK_BYTES_MAX = 1024, 1 << 20  # the chunk sizes of an MQTT transfer (edgetune.protocol)
 
 # reason codes, as the device reports them on model/state
 MALFORMED = "malformed"
@@ -78,10 +79,15 @@ class Manifest:
     issued_at: float
     rollback: bool = False  # a signed return to an older version
     target_isa: tuple[str, ...] = field(default=())  # empty: every ISA
+    # the file is offered over MQTT too (edgetune.protocol model/chunk), cut at this many bytes; None: HTTP only
+    mqtt_chunk_size: int | None = None
 
     def doc(self) -> dict[str, Any]:
         d = asdict(self)
         d["target_isa"] = list(self.target_isa)
+        chunk = d.pop("mqtt_chunk_size")
+        if chunk is not None:
+            d["mqtt"] = {"chunk_size": chunk}
         return d
 
 
@@ -108,7 +114,7 @@ def parse_manifest(doc: Any) -> Manifest:
     """A Manifest from its JSON object, or ReleaseRejected(malformed) naming the bad field."""
     if not isinstance(doc, dict):
         raise ReleaseRejected(MALFORMED, f"manifest is a {type(doc).__name__}, not a JSON object")
-    unknown = set(doc) - set(Manifest.__dataclass_fields__)
+    unknown = set(doc) - (set(Manifest.__dataclass_fields__) - {"mqtt_chunk_size"} | {"mqtt"})
     if unknown:
         raise ReleaseRejected(MALFORMED, f"manifest has unknown fields {sorted(unknown)}")
     name, sha, kid = _need(doc, "name", str), _need(doc, "sha256", str), _need(doc, "key_id", str)
@@ -133,11 +139,23 @@ def parse_manifest(doc: Any) -> Manifest:
     isas = doc.get("target_isa", [])
     if not isinstance(isas, list) or not all(isinstance(i, str) for i in isas):
         raise ReleaseRejected(MALFORMED, "target_isa must be a list of ISA names")
-    return Manifest(name=name, version=version, sha256=sha, size=size,
+    return Manifest(name=name, version=version, sha256=sha, size=size, mqtt_chunk_size=_mqtt_chunk_size(doc),
                     prompt_format=_need(doc, "prompt_format", str), spaces=dict(spaces),
                     min_edgetune=_need(doc, "min_edgetune", str), expires_at=float(expires), key_id=kid, url=url,
                     issued_at=float(issued), rollback=bool(_need(doc, "rollback", bool)) if "rollback" in doc
                     else False, target_isa=tuple(isas))
+
+
+def _mqtt_chunk_size(doc: dict) -> int | None:
+    """The manifest's optional `mqtt` source: {"chunk_size": bytes}."""
+    if "mqtt" not in doc:
+        return None
+    src = doc["mqtt"]
+    size = src.get("chunk_size") if isinstance(src, dict) and set(src) == {"chunk_size"} else None
+    if not isinstance(size, int) or isinstance(size, bool) or not CHUNK_BYTES_MIN <= size <= CHUNK_BYTES_MAX:
+        raise ReleaseRejected(MALFORMED, f"manifest field 'mqtt' is {str(src)[:80]}: expected {{\"chunk_size\": "
+                                         f"{CHUNK_BYTES_MIN}..{CHUNK_BYTES_MAX}}}")
+    return size
 
 
 # ---- keys and signatures -----------------------------------------------------------------------------------------

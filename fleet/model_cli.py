@@ -71,6 +71,9 @@ def register(fs: argparse._SubParsersAction, open_store: Opener, db_arg: Callabl
                    help="abort when the failure share of reporting devices is above this (default 10%%)")
     q.add_argument("--abort-after", type=int, default=1, metavar="N",
                    help="apply the abort rule once at least N devices reported a final state (default 1)")
+    q.add_argument("--report-timeout", default="1h",
+                   help="a device sent the release that reports nothing for this long counts as timed out, a "
+                        "failure for the abort rule (default 1h)")
     q.add_argument("--expires-in", default="30d", help="the signed release's lifetime (default 30d)")
     q.add_argument("--target-isa", action="append", metavar="ISA",
                    help="devices of other ISAs refuse the manifest itself (repeatable; default: the --where isa, "
@@ -86,7 +89,8 @@ def register(fs: argparse._SubParsersAction, open_store: Opener, db_arg: Callabl
         q.add_argument("rollout", help="rollout id (see `fleet rollout list`)")
         if name != "show":
             q.add_argument("--reason", help="why (kept in the rollout's events)")
-    q = verb(r, "retry", "send the release again to devices whose download or staging failed", cmd_rollout_retry)
+    q = verb(r, "retry", "send the release again to devices whose download or staging failed, or that timed out",
+             cmd_rollout_retry)
     q.add_argument("rollout", help="rollout id")
     q.add_argument("--device", "--devices", dest="devices", action="append", metavar="D[,D…]",
                    help="only these devices (default: every failed one)")
@@ -172,7 +176,7 @@ def cmd_model_list(args: argparse.Namespace, open_store: Opener) -> int:
 def cmd_model_publish(args: argparse.Namespace, open_store: Opener) -> int:
     policy = Policy(phases_from(args.cohort, args.phases), duration(args.min_dwell, "--min-dwell"),
                     percent(args.advance_at, "--advance-at"), percent(args.abort_above, "--abort-above"),
-                    args.abort_after).check()
+                    args.abort_after, duration(args.report_timeout, "--report-timeout")).check()
     lifetime = duration(args.expires_in, "--expires-in")
     key = load_private_key(args.key or default_key_path())
     now = time.time()
@@ -265,5 +269,5 @@ def cmd_rollout_retry(args: argparse.Namespace, open_store: Opener) -> int:
         retried = rs.retry(store, args.rollout, named, time.time(), "cli")
     emit({"rollout": args.rollout, "retried": retried}, args.json, lambda d: console.print(
         f"retrying {', '.join(d['retried'])}: `fleet serve` sends the release again" if d["retried"] else
-        "no device of that rollout has failed (rejected and rolled back are final)", highlight=False))
+        "no device of that rollout has failed or timed out (rejected and rolled back are final)", highlight=False))
     return 0

@@ -10,6 +10,8 @@ rollouts. The fleet server's controller (fleet.rollout_controller) applies `deci
   state, a share of failures (rejected, failed, or rolled back by the health check: a regression among them) over
   `abort_pct` stops the rollout; the server then publishes the rollback signed at publish time, to every device
   the release was sent to;
+- timeout: a device that was sent the release and reported no state within `report_timeout_s` is counted
+  `timed_out` (a failure, for the abort rule too; its late report still counts when it comes);
 - advance: when the phase has dwelt `min_dwell_s` and at least `advance_pct` of the released devices reported a
   final state (and the abort rule holds), the next phase is released; after the last, the rollout completes and
   its model becomes the fleet's baseline, the version the next rollout's rollback returns to.
@@ -30,16 +32,19 @@ from typing import Any, Iterable
 from edgetune import __version__
 from edgetune import release as rel
 from edgetune.errors import BadInput
-from edgetune.protocol import MODEL_FINAL_STATES, Topics, encode, check_id
+from edgetune.protocol import CHUNK_BYTES, MODEL_FINAL_STATES, Topics, check_id, encode
 from fleet.store import FleetStore
 
 DEFAULT_PHASES = (5.0, 25.0, 100.0)
 SELECT_FIELDS = ("isa", "arch", "cpu_model", "version", "model_version", "hw_fingerprint", "fw_fingerprint", "state")
-FAILED = ("rolled_back", "rejected", "failed")  # final states that count against a release
-BUCKETS = ("pending", "downloading", "verifying", "evaluating", "committed", "rolled_back", "failed")
+TIMED_OUT = "timed_out"  # the fleet's verdict on a released device that never reported (never sent by a device)
+REPORT_TIMEOUT = "report_timeout"  # its reason
+FINAL = (*MODEL_FINAL_STATES, TIMED_OUT)
+FAILED = ("rolled_back", "rejected", "failed", TIMED_OUT)  # final states that count against a release
+BUCKETS = ("pending", "downloading", "verifying", "evaluating", "committed", "rolled_back", "failed", TIMED_OUT)
 ROLLBACK_PHASE = "rollback"  # the `phase` of the signed rollback's model/release message
 RETRY_SEP = ":retry"  # a retried release's rollout_id: "<rollout id>:retry<attempt>"
-RETRYABLE = ("failed",)  # a verdict on the manifest, the file or the model (rejected, rolled_back) is final
+RETRYABLE = ("failed", TIMED_OUT)  # a verdict on the manifest, the file or the model (rejected, rolled_back) is final
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Policy:
     advance_pct: float = 100.0
     abort_pct: float = 10.0
     abort_min: int = 1
+    report_timeout_s: float = 3600.0
 
     def check(self) -> "Policy":
         p = self.phases
@@ -61,6 +67,8 @@ class Policy:
                 raise BadInput(f"{name} {v:g}%: must be 0-100%")
         if self.abort_min < 1:
             raise BadInput(f"abort after {self.abort_min} reports: must be at least 1")
+        if self.report_timeout_s <= 0:
+            raise BadInput(f"report timeout {self.report_timeout_s:g} s: must be > 0")
         return self
 
 
@@ -136,7 +144,7 @@ def manifest(model: dict, *, key_id: str, now: float, expires_at: float, min_edg
     return {"name": model["name"], "version": model["version"], "sha256": model["sha256"], "size": model["size"],
             "prompt_format": model["prompt_format"], "spaces": model["spaces"], "min_edgetune": min_edgetune,
             "expires_at": expires_at, "key_id": key_id, "url": f"/releases/{model['sha256']}", "issued_at": now,
-            "rollback": rollback, "target_isa": target_isa}
+            "rollback": rollback, "target_isa": target_isa, "mqtt": {"chunk_size": CHUNK_BYTES}}
 
 
 def new_rollout_id(version: int) -> str:
@@ -162,7 +170,7 @@ def plan(model: dict, previous: dict, private_key: Any, policy: Policy, targets:
     row = {"id": rid, "version": model["version"], "rollback_version": previous["version"], "state": "active",
            "phases_json": json.dumps(list(policy.phases)), "phase": 0, "phase_started_at": now,
            "min_dwell_s": policy.min_dwell_s, "advance_pct": policy.advance_pct, "abort_pct": policy.abort_pct,
-           "abort_min": policy.abort_min, "selector_json": json.dumps(selector, sort_keys=True),
+           "abort_min": policy.abort_min, "report_timeout_s": policy.report_timeout_s, "selector_json": json.dumps(selector, sort_keys=True),
            "manifest_json": json.dumps(release, sort_keys=True), "signature": rel.sign(release, private_key),
            "rollback_manifest_json": json.dumps(rollback, sort_keys=True),
            "rollback_signature": rel.sign(rollback, private_key), "reason": None, "created_at": now,
@@ -204,7 +212,7 @@ def bucket(t: dict) -> str:
     s = t["state"]
     if s is None:
         return "pending"
-    return "failed" if s in ("rejected", "failed") else s
+    return "failed" if s in ("rejected", "failed") else s  # timed_out is a bucket of its own
 
 
 def progress(r: dict, targets: list[dict]) -> list[dict]:
@@ -229,7 +237,7 @@ class Decision:
 def decide(r: dict, targets: list[dict], now: float) -> Decision | None:
     """What the controller should do with an open rollout now, if anything (see the module doc)."""
     released = [t for t in targets if t["phase"] <= r["phase"]]
-    final = [t for t in released if t["state"] in MODEL_FINAL_STATES]
+    final = [t for t in released if t["state"] in FINAL]
     bad = [t for t in final if t["state"] in FAILED]
     if len(final) >= r["abort_min"] and len(bad) * 100 > r["abort_pct"] * len(final):
         reasons = Counter(t["reason"] or t["state"] for t in bad)
@@ -251,6 +259,6 @@ def rollout_summary(r: dict, targets: list[dict]) -> dict:
     """A rollout with its per-phase progress: what `fleet rollout list/show`, the API and the page show."""
     phases = progress(r, targets)
     keep = ("id", "version", "rollback_version", "state", "phase", "phase_started_at", "min_dwell_s", "advance_pct",
-            "abort_pct", "abort_min", "selector", "reason", "created_at", "updated_at", "ended_at")
+            "abort_pct", "abort_min", "report_timeout_s", "selector", "reason", "created_at", "updated_at", "ended_at")
     return {**{k: r[k] for k in keep}, "phase_label": phase_label(r["phases"], r["phase"]), "targets": len(targets),
             "totals": {b: sum(p["counts"][b] for p in phases) for b in BUCKETS}, "phases": phases}

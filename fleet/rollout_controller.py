@@ -1,5 +1,5 @@
-"""The fleet server's rollout controller: a thread that, every INTERVAL_S, applies fleet.rollout.decide to each
-open rollout (abort, advance, complete) and publishes what follows, retained, on each device's `model/release`:
+"""The fleet server's rollout controller: a thread that, every INTERVAL_S, counts the devices of each open rollout
+that never reported as timed out and applies fleet.rollout.decide to it (abort, advance, complete) and publishes what follows, retained, on each device's `model/release`:
 the release to every device of a released phase that has not been sent it, and after an abort the pre-signed
 rollback to every device that was.
 
@@ -63,6 +63,10 @@ class RolloutController(Handler):
 
     def turn(self, now: float) -> None:
         for r in rs.rollouts(self.store, ("active", "paused")):
+            timed_out = rs.time_out(self.store, r, now)
+            if timed_out:
+                log.warning("rollout %s: no report from %s within %.0f s: counted as timed out", r["id"],
+                            ", ".join(timed_out), r["report_timeout_s"])
             targets = rs.targets(self.store, r["id"])
             d = decide(r, targets, now)
             if d is not None:

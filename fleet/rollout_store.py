@@ -19,7 +19,7 @@ import json
 from typing import Any, Iterable
 
 from edgetune.errors import BadInput
-from fleet.rollout import RETRYABLE, ROLLBACK_PHASE, parse_rollout_id
+from fleet.rollout import REPORT_TIMEOUT, RETRYABLE, ROLLBACK_PHASE, TIMED_OUT, parse_rollout_id
 from fleet.store import FleetStore
 
 ROLLOUT_STATES = ("active", "paused", "completed", "aborted")
@@ -190,7 +190,7 @@ def act(store: FleetStore, rollout_id: str, action: str, now: float, actor: str 
 
 def retry(store: FleetStore, rollout_id: str, devices: list[str] | None, now: float, actor: str | None) -> list[str]:
     """Send the release again (with the next attempt's rollout_id) to the targets whose download or staging
-    `failed` (disk full, download failed, interrupted, withdrawn), all or those in `devices`; the devices retried.
+    `failed` (disk full, download failed, interrupted, withdrawn) or that `timed_out`, all or those in `devices`; the devices retried.
     BadInput unless the rollout is active or paused."""
     r = rollout(store, rollout_id)
     if r is None:
@@ -218,6 +218,23 @@ def advance(store: FleetStore, rollout_id: str, from_phase: int, now: float, det
         if n:
             _event(c, rollout_id, now, "advanced", None, detail)
     return bool(n)
+
+
+def time_out(store: FleetStore, r: dict, now: float) -> list[str]:
+    """Count the targets that were sent the release over `report_timeout_s` ago and reported nothing as timed out;
+    the devices. Their ts stays empty, so a late report of theirs still replaces the verdict."""
+    cutoff = now - r["report_timeout_s"]
+    detail = f"no model/state within {r['report_timeout_s']:g} s of the release"
+    with store.tx() as c:
+        rows = c.execute("SELECT device_id FROM rollout_devices WHERE rollout_id=? AND sent_at < ? AND state IS NULL"
+                         " ORDER BY cohort_rank", (r["id"], cutoff)).fetchall()
+        devices = [x[0] for x in rows]
+        for d in devices:
+            c.execute("UPDATE rollout_devices SET state=?, reason=?, detail=? WHERE rollout_id=? AND device_id=? AND"
+                      " state IS NULL", (TIMED_OUT, REPORT_TIMEOUT, detail, r["id"], d))
+        if devices:
+            _event(c, r["id"], now, TIMED_OUT, None, f"{', '.join(devices)}: {detail}")
+    return devices
 
 
 def mark_sent(store: FleetStore, rollout_id: str, device: str, now: float, rollback: bool = False) -> None:

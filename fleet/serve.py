@@ -1,5 +1,5 @@
-"""`edgetune fleet serve`: the receiver, the dashboard/API, the model files (/releases/) and the rollout
-controller in one process, and `edgetune fleet token …`.
+"""`edgetune fleet serve`: the receiver, the dashboard/API, the model files (/releases/ over HTTP, model/chunk over
+MQTT: fleet.chunk_server) and the rollout controller in one process, and `edgetune fleet token …`.
 
 The receiver (fleet.listener) runs in a thread and owns its store connection; the ASGI app runs under uvicorn in
 the main thread, which also takes SIGINT/SIGTERM, and reads the same DB through its own connections (SQLite in WAL
@@ -65,6 +65,7 @@ def _config_arg(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from fleet.chunk_server import ChunkServer
     from fleet.commands import send_command
     from fleet.listener import Listener
     from fleet.retention import Pruner
@@ -100,9 +101,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     listener.start()
     pruner = Pruner(db, cfg.retention_days).start()
     rollouts = RolloutController(opts, db).start()
+    chunks = ChunkServer(opts, db, share=cfg.share_group or None).start()
     try:
         server.run()  # returns after a signal, once the open requests finished
     finally:
+        chunks.stop()
         rollouts.stop()
         pruner.stop()
         listener.stop()

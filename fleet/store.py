@@ -165,6 +165,10 @@ MIGRATIONS: list[str] = [
         doc_json TEXT NOT NULL, received_at REAL NOT NULL
     )
     """,
+    # v4: a rollout counts a released device that never reported as timed out after this long
+    """
+    ALTER TABLE rollouts ADD COLUMN report_timeout_s REAL NOT NULL DEFAULT 3600
+    """,
 ]
 FIX = "move it aside (rename it) or pass --db with another path"
 PRUNE_BATCH = 5000  # telemetry rows deleted per transaction, so a prune never holds the writers up for long

@@ -504,7 +504,7 @@ def test_status_history_dedupes_retained_redelivery_and_final_responses_stick(db
 
 def test_schema_is_versioned_and_foreign_files_are_refused(tmp_path):
     with FleetStore(tmp_path / "f.db") as s:
-        assert s.schema_version == 3
+        assert s.schema_version == 4
     foreign = tmp_path / "foreign.db"
     sqlite3.connect(foreign).execute("CREATE TABLE x (y)").connection.commit()
     with pytest.raises(DBForeign, match="not an edgetune fleet DB"):

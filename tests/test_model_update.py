@@ -7,6 +7,7 @@ patched copies. Every wait is on an event (a model/state message, a status, a se
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import http.server
 import json
@@ -23,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgetune import release as rel
 from edgetune.protocol import MODEL_STATE, MODEL_STATES
+from tests.broker import free_port
 from tests.test_daemon_support import Bus, DaemonProc, daemon_config, retained
 from tuner.model.inference import PROMPT_FORMAT, bundled_model_path
 
@@ -487,3 +489,126 @@ def test_model_update_config_problems_name_the_key_and_the_fix(tmp_path):
     good = signer(tmp_path)
     cfg.write_text(f'[model_update]\ntrusted_keys = ["{good.pem}"]\nfleet_url = "https://fleet.example:8443"\n')
     assert load(cfg).problems == []
+
+
+# ---- the file in MQTT chunks: an unreachable fleet URL falls back to them; a kill -9 costs only what is missing ---
+
+def chunk_message(file: bytes, cs: int, i: int, data: bytes | None = None, **over) -> bytes:
+    """model/chunk with chunk i of `file` cut at cs bytes (or `data` instead), fields overridden by `over`."""
+    data = file[i * cs:(i + 1) * cs] if data is None else data
+    return json.dumps({"sha256": hashlib.sha256(file).hexdigest(), "chunk_size": cs, "index": i, "data":
+                       base64.b64encode(data).decode(), "ts": time.time(), **over}).encode()
+
+
+class ChunkFleet(Bus):
+    """The fleet's side of an MQTT transfer, as small as the contract: records each model/chunk/req and, once
+    `serving`, answers it with the chunks asked for."""
+
+    def __init__(self, broker, data: bytes, chunk_size: int):
+        self.data, self.cs, self.sha = data, chunk_size, hashlib.sha256(data).hexdigest()
+        self.requests: list[tuple[int, int]] = []
+        self.serving = False
+        super().__init__(broker, (f"edgetune/v1/{DEV}/model/chunk/req",))
+
+    def _on_message(self, c, u, m) -> None:
+        req = json.loads(m.payload)
+        self.requests.append((req["first"], req["count"]))
+        super()._on_message(c, u, m)
+        if self.serving:
+            for i in range(req["first"], req["first"] + req["count"]):
+                self.send(i)
+
+    def chunk(self, i: int, data: bytes | None = None, **over) -> bytes:
+        return chunk_message(self.data, self.cs, i, data, **over)
+
+    def send(self, i: int, payload: bytes | None = None) -> None:
+        self.c.publish(f"edgetune/v1/{DEV}/model/chunk", payload or self.chunk(i), qos=1)
+
+
+def test_over_mqtt_bad_chunks_are_refused_and_a_daemon_killed_mid_transfer_asks_only_for_the_missing_ones(
+        tmp_path, mosquitto, fleet_files):
+    s, cs = signer(tmp_path), 16 * 1024
+    n = -(-len(NEW) // cs)
+    fleet = ChunkFleet(mosquitto, NEW, cs)
+    bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/model/state",))
+    d = device(tmp_path, mosquitto, fleet_files, s, fleet_url=f"http://127.0.0.1:{free_port()}")  # nobody there
+    part = d.state_dir / "models" / "staging" / f"{fleet.sha}.part"
+    index = part.with_name(part.name + ".chunks")
+    try:
+        d.start().wait_status(lambda st: st["state"] == "idle", T)
+        since = publish(bus, s.release(s.manifest(NEW, 2, mqtt={"chunk_size": cs})))
+        fleet.wait(lambda m: True, T, "the first chunk request (after HTTP failed)")
+        assert fleet.requests == [(0, 16)] and "fetching the file over MQTT instead" in d.log
+        # bad input, each refused with a reason and nothing written; then five good chunks
+        for bad in (b"{not json", b'{"pad": "' + b"x" * 30000 + b'"}', fleet.chunk(0, sha256="0" * 64),
+                    fleet.chunk(n, data=b"x"), fleet.chunk(0, data=b"short"), fleet.chunk(1, data=b"x").replace(
+                        b'"eA=="', b'"not base64!"')):
+            fleet.send(0, bad)
+        for i in range(5):
+            fleet.send(i)
+        wait_for(lambda: index.exists() and index.read_text().split() == [str(cs), "0", "1", "2", "3", "4"],
+                 "five chunks on disk")
+        for why in ("refused a chunk: model/chunk: not JSON", "refused a chunk: model/chunk: oversized",
+                    "ignoring a chunk of another file", f"refused chunk {n}: past the file's {n} chunks",
+                    f"refused chunk 0: 5 bytes, that chunk has {cs}", "data of chunk 1 is not base64"):
+            wait_for(lambda: why in d.log, why, 30)
+        d.kill9()
+        assert pointer(d)["current"] is None and part.read_bytes()[:5 * cs] == NEW[:5 * cs]
+
+        # the restart asks for chunk 5 on, each missing chunk once, and commits the file they make
+        asked = len(fleet.requests)
+        fleet.serving = True
+        d.start()
+        done = final(bus, since, 2)
+        assert done["state"] == "committed", done
+        after = fleet.requests[asked:]
+        assert after[0] == (5, 16), after
+        wanted = [i for first, count in after for i in range(first, first + count)]
+        assert sorted(wanted) == list(range(5, n)), after  # nothing on disk was asked for again
+        assert any(m.doc.get("detail") == f"resuming at byte {5 * cs} of {len(NEW)}" for m in bus.msgs[since:])
+        assert (d.state_dir / "models/a/model.gguf").read_bytes() == NEW and not index.exists()
+        assert d.signal(15) == 0 and "Traceback" not in d.log, d.log[-3000:]
+    finally:
+        d.stop()
+        bus.close()
+        fleet.close()
+
+
+def test_a_part_begun_over_http_continues_in_chunks_and_a_part_of_chunks_continues_over_http(tmp_path, fleet_files):
+    from collections import deque
+
+    from daemon.model_fetch import fetch, fetch_chunks
+
+    cs, data = 16 * 1024, NEW
+    fleet_files.files.add(data)
+    sha, n = hashlib.sha256(data).hexdigest(), -(-len(NEW) // (16 * 1024))
+    asked, inbox = [], deque()
+
+    def request(payload: bytes) -> None:
+        req = json.loads(payload)
+        asked.append((req["first"], req["count"]))
+        inbox.extend(chunk_message(data, cs, i) for i in range(req["first"], req["first"] + req["count"]))
+
+    def chunks(part: Path) -> None:
+        fetch_chunks(part, len(data), sha, cs, timeout=5, request=request,
+                     receive=lambda w: inbox.popleft() if inbox else None, stopping=lambda w: False)
+
+    # 2.5 chunks from an HTTP download: the whole two count, the half one is asked for again
+    part = tmp_path / "a.part"
+    part.write_bytes(data[:cs * 5 // 2])
+    chunks(part)
+    assert asked[0] == (2, 16) and part.read_bytes() == data and not part.with_name("a.part.chunks").exists()
+    # chunks 0, 1 and 3 on disk: HTTP continues after the run from the start (chunk 2), nothing else is trusted
+    part = tmp_path / "b.part"
+    part.write_bytes(data[:2 * cs] + b"\0" * cs + data[3 * cs:4 * cs])
+    part.with_name("b.part.chunks").write_text(f"{cs}\n0\n1\n3\n")
+    url = f"{fleet_files.url}/releases/{sha}"
+    fetch(url, part, len(data), timeout=10, stopping=lambda w: False)
+    assert fleet_files.files.ranges[-1] == f"bytes={2 * cs}-" and part.read_bytes() == data
+    assert not part.with_name("b.part.chunks").exists()
+    # a part longer than the file is not its bytes: every chunk is asked for
+    part = tmp_path / "c.part"
+    part.write_bytes(data + b"more")
+    asked.clear()
+    chunks(part)
+    assert asked[0] == (0, 16) and sum(c for _, c in asked) == n and part.read_bytes() == data

@@ -36,6 +36,10 @@ def test_a_signed_manifest_verifies_and_round_trips():
     # the signature covers the canonical bytes, not the spelling: a re-serialised manifest still verifies
     respelled = json.loads(json.dumps(doc, indent=2))
     assert rel.verify(respelled, rel.sign(doc, k), {kid: k.public_key()}) == m
+    # the optional MQTT source (the file in chunks of this size) is signed with the rest
+    offered = manifest(kid, mqtt={"chunk_size": 65536})
+    m = rel.verify(offered, rel.sign(offered, k), {kid: k.public_key()})
+    assert m.mqtt_chunk_size == 65536 and m.doc() == offered
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -46,6 +50,9 @@ def test_a_signed_manifest_verifies_and_round_trips():
     (lambda d, s, k: ({**d, "size": rel.MAX_MODEL_BYTES + 1}, s, k), rel.TOO_LARGE),
     (lambda d, s, k: ({**d, "url": "/etc/passwd"}, s, k), rel.MALFORMED),
     (lambda d, s, k: ({**d, "extra": 1}, s, k), rel.MALFORMED),
+    (lambda d, s, k: ({**d, "mqtt": {"chunk_size": 10}}, s, k), rel.MALFORMED),
+    (lambda d, s, k: ({**d, "mqtt": {"chunk_size": 65536, "topic": "x"}}, s, k), rel.MALFORMED),
+    (lambda d, s, k: ({**d, "mqtt_chunk_size": 65536}, s, k), rel.MALFORMED),
     (lambda d, s, k: ([d], s, k), rel.MALFORMED),
 ])
 def test_tampered_forged_or_malformed_manifests_are_rejected_with_a_reason(change, reason):

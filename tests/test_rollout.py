@@ -4,6 +4,7 @@ with real daemons is tests/test_rollout_e2e.py; the page in a browser tests/test
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -86,6 +87,14 @@ def test_the_rule_aborts_on_the_failure_share_once_enough_reported_and_advances_
     assert decide({**ROLLOUT, "state": "paused"}, t, 2000.0).action == "abort"
     ten = [target(0, "committed")] * 9 + [target(0, "failed", "disk_full")]
     assert decide({**ROLLOUT, "abort_min": 1}, ten, 1000.0) is None
+    # a device that never reported counts as a failure once the controller timed it out
+    silent = [target(0, "committed"), target(0, "timed_out", "report_timeout"), target(1)]
+    d = decide(ROLLOUT, silent, 2000.0)
+    assert d.action == "abort" and "report_timeout x1" in d.detail
+    assert rollout_summary({**ROLLOUT, "id": "r", "rollback_version": 1, "report_timeout_s": 60.0, "selector": {},
+                            "reason": None, "created_at": 0, "updated_at": 0, "ended_at": None},
+                           [{**t, "rollback_state": None} for t in silent])["phases"][0]["reasons"] == {
+        "timed_out: report_timeout": 1}
 
 
 # ---- the tables, on both backends ---------------------------------------------------------------------------------
@@ -103,7 +112,7 @@ def test_registry_rollouts_reports_and_state_changes_on_sqlite_and_postgresql(db
     key = create_key(tmp_path / "keys" / "k.key")
     signer = load_private_key(key.private)
     with open_fleet_store(db) as store:
-        assert store.schema_version == 3
+        assert store.schema_version == 4
         seed_devices(store, 6)
         v1 = registry.ensure_bundled(store)
         assert (v1["version"], v1["source"], v1["sha256"]) == (1, "bundled", hashlib.sha256(BUNDLED).hexdigest())
@@ -217,6 +226,7 @@ def test_model_and_publish_verbs_refuse_bad_input_with_the_fix(tmp_path):
         (("2", "--cohort", "lots"), "a percentage such as 5%"),
         (("2", "--phases", "50,20,100"), "rising percentages"),
         (("2", "--expires-in", "soon"), "a duration such as"),
+        (("2", "--report-timeout", "0"), "report timeout 0 s: must be > 0"),
         (("2", "--key", str(tmp_path / "nokey")), "create one with `edgetune fleet key create`"),
     ]
     for extra, message in cases:
@@ -297,3 +307,97 @@ def test_model_state_reports_are_stored_and_a_malformed_one_is_logged_and_skippe
         assert "exploded" in store.malformed()[1]["error"]
         assert ingest(store, topic, b"", True).detail == "cleared" and rs.model_state(store, "dev-1")["state"] == \
             "committed"
+
+
+# ---- the model file over MQTT --------------------------------------------------------------------------------------
+
+def test_the_chunk_server_sends_what_a_device_asks_for_and_refuses_what_it_cannot_serve(mosquitto, tmp_path):
+    from fleet.chunk_server import ChunkServer
+    from tests.test_daemon_support import Bus
+    from tests.test_fleet import opts
+
+    db = tmp_path / "fleet.db"
+    with open_fleet_store(db) as store:
+        sha = registry.add(store, model_file(tmp_path, 8))["sha256"]
+    data, cs = BUNDLED + b"\0" * 8, 65536
+    n = -(-len(data) // cs)
+    server = ChunkServer(opts(mosquitto), db).start()
+    bus = Bus(mosquitto, ("edgetune/v1/dev-c/model/chunk",))
+
+    def ask(payload: dict | bytes) -> int:
+        since = len(bus.msgs)
+        bus.publish("edgetune/v1/dev-c/model/chunk/req", payload if isinstance(payload, bytes) else json.dumps(
+            {"sha256": sha, "chunk_size": cs, "first": n - 2, "count": 2, "ts": time.time(), **payload}))
+        return since
+
+    def answers(since: int, k: int) -> list[dict]:
+        bus.wait(lambda m: len(bus.msgs) >= since + k, 60, f"{k} chunk message(s)", since=since)
+        return [m.doc for m in bus.msgs[since:since + k]]
+
+    try:
+        server.client.wait_ready(30)
+        # the last two chunks, as asked: the last one shorter, each one message, nothing retained
+        got = answers(ask({}), 2)
+        assert [g["index"] for g in got] == [n - 2, n - 1] and all(g["error"] is None for g in got)
+        assert [base64.b64decode(g["data"]) for g in got] == [data[(n - 2) * cs:(n - 1) * cs], data[(n - 1) * cs:]]
+        assert not any(m.retain for m in bus.msgs)
+        # what it cannot serve gets one answer with the reason; a malformed request none (it is only logged)
+        assert "no model with sha256" in answers(ask({"sha256": "0" * 64}), 1)[0]["error"]
+        assert f"the file has {n} of {cs} bytes" in answers(ask({"first": n - 1}), 1)[0]["error"]
+        since = ask(b"{not json")
+        ask({"count": 17})  # over the window a request may ask for
+        ask({"chunk_size": 10})
+        assert [g["index"] for g in answers(ask({"first": 0, "count": 1}), 1)] == [0]  # the next answer is this
+        assert len(bus.msgs) == since + 1
+    finally:
+        bus.close()
+        server.stop()
+
+
+def test_a_released_device_that_never_reports_is_timed_out_and_trips_the_abort_rule(db, mosquitto,  # noqa: F811
+                                                                                    tmp_path):
+    from fleet.rollout_controller import RolloutController
+    from tests.test_daemon_support import retained
+    from tests.test_fleet import opts
+
+    signer = load_private_key(create_key(tmp_path / "keys" / "k.key").private)
+    with open_fleet_store(db) as store:
+        seed_devices(store, 2)
+        v1, v2 = registry.ensure_bundled(store), registry.add(store, model_file(tmp_path, 8))
+        row, cohort = plan(v2, v1, signer, Policy((100.0,), 0.0, 100.0, 0.0, 1, report_timeout_s=1.0),
+                           ["dev-0", "dev-1"], expires_at=time.time() + 600, selector={})
+        rs.create_rollout(store, row, cohort, time.time(), "test")
+    controller = RolloutController(opts(mosquitto), db, interval_s=0.1).start()
+    try:
+        with open_fleet_store(db) as store:
+            # dev-0 reports at once (committed); dev-1, sent the release too, says nothing
+            deadline = time.monotonic() + 60
+            while not all(t["sent_at"] for t in rs.targets(store, row["id"])):
+                assert time.monotonic() < deadline, "the release was never sent"
+                time.sleep(0.05)
+            rs.put_model_state(store, "dev-0", {}, {"state": "committed", "rollout_id": row["id"], "phase": "100%",
+                                                     "version": 2, "reason": None, "detail": "", "ts": time.time()},
+                               time.time())
+            while rs.rollout(store, row["id"])["state"] != "aborted":
+                assert time.monotonic() < deadline, rs.targets(store, row["id"])
+                time.sleep(0.05)
+            r = rs.rollout(store, row["id"])
+            silent = {t["device_id"]: t for t in rs.targets(store, row["id"])}["dev-1"]
+            assert (silent["state"], silent["reason"]) == ("timed_out", "report_timeout")
+            assert "no model/state within 1 s" in silent["detail"]
+            assert "report_timeout x1" in r["reason"] and r["report_timeout_s"] == 1.0
+            kinds = [e["kind"] for e in rs.events(store, row["id"])]
+            assert kinds == ["published", "timed_out", "aborted"], kinds
+            summary = rollout_summary(r, rs.targets(store, row["id"]))
+            assert summary["totals"]["timed_out"] == 1 and summary["report_timeout_s"] == 1.0
+            # the signed rollback goes to both (dev-1 may yet have received the release)
+            while retained(mosquitto, "edgetune/v1/dev-1/model/release")["phase"] != "rollback":
+                assert time.monotonic() < deadline, "no rollback for the silent device"
+            # a late report still counts: the verdict was the fleet's, not the device's
+            rs.put_model_state(store, "dev-1", {}, {"state": "failed", "rollout_id": row["id"], "phase": "100%",
+                                                     "version": 2, "reason": "disk_full", "detail": "",
+                                                     "ts": time.time()}, time.time())
+            late = {t["device_id"]: t for t in rs.targets(store, row["id"])}["dev-1"]
+            assert (late["state"], late["reason"]) == ("failed", "disk_full")
+    finally:
+        controller.stop()

@@ -1,5 +1,5 @@
 """Issue 27 end to end: real daemons follow staged rollouts that a real `fleet serve` runs over a real mosquitto,
-downloading the model from its /releases/ route. Models are the bundled GGUF padded (another file, the same
+downloading the model from its /releases/ route, or in MQTT chunks from it when they have no fleet URL. Models are the bundled GGUF padded (another file, the same
 model) and a patched copy trained for other knobs (it loads, then proposes nothing valid). Every wait is on an
 event: a model/state the fleet stored, a retained message, a daemon status."""
 
@@ -8,14 +8,19 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import sqlite3
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.broker import Mosquitto
 from tests.fleet_server import FleetServer
 from tests.test_daemon_support import Bus, DaemonProc, daemon_config, env_for
+from tests.test_fleet import HW, Device
 from tuner.model.inference import PROMPT_FORMAT, bundled_model_path
 
 T = 300.0  # health checks build and measure kernels on a shared, loaded host
@@ -27,17 +32,24 @@ assert BAD != BUNDLED and len(BAD) == len(BUNDLED) and PROMPT_FORMAT
 class Rig:
     """A broker, a fleet server with an operator and a viewer token and a signing key, and daemons that trust it."""
 
-    def __init__(self, tmp: Path, cache: Path, devices: list[str], fleet_url: str | None = None, isa: str = ""):
+    def __init__(self, tmp: Path, cache: Path, devices: list[str], fleet_url: str | None = None, isa: str = "",
+                 db: str | None = None):
+        """`fleet_url`: what the daemons download from; None: the fleet server, "": none (MQTT chunks only).
+        `db`: the fleet DB's PostgreSQL URL (None: SQLite in the fleet's state dir)."""
         self.isa = isa  # the daemons' ISA cap (empty: the CPU's)
-        self.tmp, self.cache = tmp, cache
+        self.tmp, self.cache, self.db = tmp, cache, db
         self.broker = Mosquitto(tmp / "broker").start()
-        self.server = FleetServer(self.broker, env_for(tmp / "fleet", cache)).start()
+        config = None
+        if db:
+            config = tmp / "fleet.toml"
+            config.write_text(f'[fleet]\ndatabase = "{db}"\n')
+        self.server = FleetServer(self.broker, env_for(tmp / "fleet", cache), config=config).start()
         self.op, self.viewer = self.server.token("operator", "op"), self.server.token("viewer", "view")
         key = tmp / "keys" / "release.key"
         r = self.server.cli("fleet", "key", "create", "--out", str(key), "--json")
         assert r.returncode == 0, r.stderr
         self.key, self.pub = key, Path(json.loads(r.stdout)["public_key"])
-        self.daemons = {d: self._daemon(d, fleet_url or self.server.base) for d in devices}
+        self.daemons = {d: self._daemon(d, self.server.base if fleet_url is None else fleet_url) for d in devices}
         self.server.wait_json("/api/v1/overview", self.viewer, lambda o: o["statuses"]["online"] == len(devices), T)
 
     def _daemon(self, name: str, url: str) -> DaemonProc:
@@ -48,7 +60,7 @@ class Rig:
         return DaemonProc(cfg, env=env_for(self.tmp / name, self.cache)).start()
 
     def cli(self, *args: str) -> dict:
-        r = self.server.cli("fleet", *args, "--json")
+        r = self.server.cli("fleet", *args, *(["--db", self.db] if self.db else []), "--json")
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
@@ -99,10 +111,13 @@ def by_device(r: dict) -> dict[str, dict]:
     return {t["device_id"]: t for t in r["devices"]}
 
 
-def test_a_staged_rollout_commits_the_first_cohort_advances_completes_and_a_bad_model_is_rolled_back(tmp_path,
-                                                                                                   build_cache):
-    rig = Rig(tmp_path, build_cache, ["dev-a", "dev-b", "dev-c"])
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_staged_rollout_commits_the_first_cohort_advances_completes_and_a_bad_model_is_rolled_back(
+        tmp_path, build_cache, backend, request):
+    db = request.getfixturevalue("pg_url") if backend == "postgresql" else None
+    rig = Rig(tmp_path, build_cache, ["dev-a", "dev-b", "dev-c"], db=db)
     try:
+        assert ("db postgresql://" in rig.server.log) == bool(db), rig.server.log[:2000]
         v2, v3, v4 = rig.add(BUNDLED + b"\0" * 32, "v2"), rig.add(BUNDLED + b"\0" * 64, "v3"), rig.add(BAD, "v4")
         assert (v2, v3, v4) == (2, 3, 4)
 
@@ -255,3 +270,48 @@ def test_a_tampered_file_or_untrusted_key_trips_the_abort_rule_and_a_failed_down
         if rig:
             rig.close()
         proxy.shutdown()
+
+
+def test_without_http_the_file_comes_in_mqtt_chunks_a_tampered_one_trips_the_abort_rule_a_sound_one_commits(
+        tmp_path, build_cache):
+    rig = Rig(tmp_path, build_cache, ["dev-m"], fleet_url="")  # the device knows no fleet URL: MQTT only
+    try:
+        v2, v3 = rig.add(BUNDLED + b"\0" * 32, "v2"), rig.add(BUNDLED + b"\0" * 64, "v3")
+        # v2's bytes damaged in the fleet DB after it was registered: the chunks carry them, the sha256 catches it
+        with sqlite3.connect(tmp_path / "fleet" / "state" / "fleet.db") as db:
+            data = db.execute("SELECT data FROM models WHERE version=?", (v2,)).fetchone()[0]
+            db.execute("UPDATE models SET data=? WHERE version=?", (bytes([data[0] ^ 1]) + data[1:], v2))
+        rid = rig.publish(v2, "--phases", "100", "--min-dwell", "0")
+        r = rig.rollout(rid, lambda r: r["state"] == "aborted" and r["devices"][0]["rollback_state"] == "committed",
+                        "the tampered release aborted and rolled back")
+        assert r["manifest"]["mqtt"] == {"chunk_size": 65536}  # offered, and signed with the rest
+        assert (r["devices"][0]["state"], r["devices"][0]["reason"]) == ("rejected", "checksum")
+        assert "checksum x1" in r["reason"] and rig.pointer("dev-m")["current"] is None
+        assert "model download from" not in rig.daemons["dev-m"].log  # no HTTP attempt: there is no URL
+
+        rid = rig.publish(v3, "--phases", "100", "--min-dwell", "0")
+        r = rig.rollout(rid, lambda r: r["state"] == "completed", "the v3 rollout over MQTT completing")
+        assert r["devices"][0]["state"] == "committed" and rig.pointer("dev-m")["current"]["version"] == 3
+        d = rig.daemons["dev-m"]
+        assert "downloaded v3 (1278400 bytes) from MQTT chunks" in d.log, d.log[-3000:]
+        n = -(-len(BUNDLED + b"\0" * 64) // 65536)
+        assert f"sent chunks {n - 1 - (n - 1) % 16}-{n - 1} of" in rig.server.log  # the last window, as asked
+
+        # a target that never reports is counted timed_out after --report-timeout: a failure for the abort rule,
+        # shown with its reason in the API and on the page
+        ghost = Device(rig.broker, "dev-ghost")
+        ghost.pub("status", {"state": "online", "session": 1, "version": "0.1.0", "ts": time.time()}, retain=True)
+        ghost.pub("info", {"hw": HW, "hw_fingerprint": "hw-ghost"}, retain=True)
+        ghost.close()
+        rig.server.wait_json("/api/v1/overview", rig.viewer, lambda o: o["devices"] == 2, T)
+        rid = rig.publish(rig.add(BUNDLED + b"\0" * 96, "v4"), "--devices", "dev-ghost", "--phases", "100",
+                          "--min-dwell", "0", "--report-timeout", "1s")
+        r = rig.rollout(rid, lambda r: r["state"] == "aborted", "the silent device timing out")
+        t = r["devices"][0]
+        assert (t["state"], t["reason"], t["bucket"]) == ("timed_out", "report_timeout", "timed_out"), t
+        assert r["report_timeout_s"] == 1.0 and r["totals"]["timed_out"] == 1 and "report_timeout x1" in r["reason"]
+        html = rig.server.get(f"/rollouts/{rid}", rig.viewer).text
+        assert "timed_out: report_timeout" in html and "no model/state within 1 s of the release" in html
+        rig.clean_exit()
+    finally:
+        rig.close()
