@@ -364,17 +364,17 @@ def real_run(cases: list[D.Case], strategies: list[str], n: int) -> list[dict]:
     return rows
 
 
-def measure_lists(runner, spec, case: D.Case, hw, lists: dict[str, list[Config]], rounds: int = 7,
+def measure_lists(runner, spec, shape: dict, ref: Config, hw, lists: dict[str, list[Config]], rounds: int = 7,
                   seed: int = 0) -> tuple[dict[str, list[float | None]], float | None, float | None]:
-    """Each list's configs as same-round ratios to the case's best-known config, the control, and the best-known's
-    median ms now. Every distinct config of all lists is measured once per round (`Evaluator.interleave`), so lists
-    that share a config share its measurement, and all lists are judged on the same rounds. The control is the
-    best-known config measured again as if proposed: its share within 5% is the ceiling this host's noise leaves."""
-    ref = case.ranked()[0][0]
+    """Each list's configs as same-round ratios to the reference config `ref` (a case's best-known, or a long
+    search's winner), the control, and the reference's median ms now. Every distinct config of all lists is measured
+    once per round (`Evaluator.interleave`), so lists that share a config share its measurement, and all lists are
+    judged on the same rounds. The control is the reference measured again as if proposed: its share within 5% is
+    the ceiling this host's noise leaves."""
     keys = list(dict.fromkeys(config_key(c) for cs in lists.values() for c in cs if config_key(c) != config_key(ref)))
     by_key = {config_key(c): c for cs in lists.values() for c in cs}
     cfgs = [ref] + [by_key[k] for k in keys] + [ref]
-    got = measured(runner, spec, case.shape, hw).interleave(cfgs, rounds, seed=seed)
+    got = measured(runner, spec, shape, hw).interleave(cfgs, rounds, seed=seed)
     ratios, ref_ms = got.ratios_to(0), got.median_ms(0)
     of = dict(zip([config_key(ref)] + keys, ratios[:-1]))
     return {name: [of[config_key(c)] for c in cs] for name, cs in lists.items()}, ratios[-1], ref_ms
@@ -407,7 +407,8 @@ def measured_topk(cases: list[D.Case], k: int, model: Path | None, rounds: int =
             spec = specs[case.kernel]
             space = spec.space(case.shape, held_out_hw(case, hws))
             top = LLMStrategy(space, kernel=spec, proposer=prop, k=k).ask(k)[:k]
-            lists, control, ref_ms = measure_lists(runner, spec, case, space.hw, {"llm": top}, rounds, seed=i)
+            lists, control, ref_ms = measure_lists(runner, spec, case.shape, case.ranked()[0][0], space.hw,
+                                                   {"llm": top}, rounds, seed=i)
             ratios = lists["llm"]
             hit = next((n + 1 for n, r in enumerate(ratios) if r is not None and r <= 1.05), None)
             rows.append({"kernel": case.kernel, "isa": case.isa, "workload": case.workload, "ref_ms": ref_ms,

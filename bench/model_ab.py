@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             lists = {name: [cfg for cfg, _ in ranked[name].values()][:a.k] for name in models}
             for e in ensembles:
                 lists["+".join(e)] = ensemble_top([ranked[m] for m in e], a.k)
-            ratios, control, _ = CT.measure_lists(runner, spec, case, space.hw, lists, a.rounds, seed=i)
+            ratios, control, _ = CT.measure_lists(runner, spec, case.shape, case.ranked()[0][0], space.hw, lists,
+                                                  a.rounds, seed=i)
             rows.append({"kernel": case.kernel, "isa": case.isa, "workload": case.workload, "ratios": ratios,
                          "control": control, "load1": os.getloadavg()[0]})
             print(f"  [{i + 1}/{len(held)}] {case.kernel} {case.isa} {case.workload}: "
