@@ -73,16 +73,18 @@ def say(msg: str) -> None:
 
 def class_workloads(cases: dict, isa: str, per_kernel: int, hw) -> list[dict]:
     """Training shapes of the class, `per_kernel` per kernel, that the committed data does not hold at its ISA: a
-    training shape of the committed data (any ISA) with one dimension scaled by 3/2 (rounded to a multiple of 4),
-    kept when the kernel accepts it and it is no held-out real layer."""
+    training shape of the committed data (any ISA; spread over them) with one dimension scaled by 3/2 (rounded to a
+    multiple of 4), kept when the kernel accepts it and it is no held-out real layer."""
     known = {c.problem for c in cases.values()}
     specs = all_specs()
     out = []
     for kernel in sorted({c.kernel for c in cases.values()}):
         shapes = {json.dumps(c.shape, sort_keys=True): c for c in cases.values()
                   if c.kernel == kernel and c.split == "train"}
+        ranked = [c for _, c in sorted(shapes.items())]
+        stride = max(1, len(ranked) // max(1, per_kernel))  # spread over the training shapes, not the first few
         picked = 0
-        for _, c in sorted(shapes.items()):
+        for c in ranked[::stride] + [c for i, c in enumerate(ranked) if i % stride]:
             dims = [d for d, v in c.shape.items() if d not in FIXED_DIMS and isinstance(v, int) and v >= 8]
             for d in dims:
                 shape = {**c.shape, d: max(4, round(c.shape[d] * 1.5 / 4) * 4)}
