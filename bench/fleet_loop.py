@@ -330,11 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", default="x86-64", help="the simulated device class's ISA cap (default x86-64, the "
                                                     "SSE2 baseline no committed data holds)")
     ap.add_argument("--devices", type=int, default=2, help="daemons of the class (default 2)")
-    ap.add_argument("--per-kernel", type=int, default=2, help="class training workloads per kernel (default 2)")
+    ap.add_argument("--per-kernel", type=int, default=3, help="class training workloads per kernel (default 3)")
     ap.add_argument("--budget", type=int, default=20, help="evaluations per workload on the devices (default 20)")
     ap.add_argument("--strategy", default="anneal", help="the devices' search strategy (default anneal)")
     ap.add_argument("--steps", type=int, help="training steps (default: the shipped recipe)")
-    ap.add_argument("--held", type=int, default=1, help="held-out real layers per kernel (default 1)")
+    ap.add_argument("--held", type=int, default=2, help="held-out real layers per kernel (default 2)")
     ap.add_argument("--kernels", default="", help="only these kernels' held-out layers (comma-separated)")
     ap.add_argument("--other-isa", default="", help="the other classes' ISA caps, comma-separated (default: this "
                                                     "machine's own ISA); 'none' skips them")
