@@ -86,8 +86,8 @@ class Link(Handler):
     def snapshot(self) -> dict:
         c = self.client
         return {"configured": True, "host": self.cfg.host, "port": self.cfg.effective_port,
-                "tls": self.cfg.tls.enabled, "connected": c.connected, "protocol": c.protocol,
-                "connects": c.connects, "last_error": c.last_error}
+                "tls": self.cfg.tls.enabled, "connected": c.connected, "subscribed": c.ready.is_set(),
+                "protocol": c.protocol, "connects": c.connects, "last_error": c.last_error}
 
     # ---- the client's callbacks (its thread) ---------------------------------------------------------------
 

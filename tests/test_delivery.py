@@ -91,7 +91,7 @@ def test_records_and_results_stay_on_the_device_until_the_fleet_committed_them(t
     listener(broker, db).stop()  # the fleet's persistent session exists, and the fleet is away
     d = DaemonProc(daemon_config(tmp_path, broker, telemetry_interval_s=0.1, outbox={"resend_s": 1.0})).start()
     try:
-        d.wait_status(lambda s: s.get("broker", {}).get("connected"), T)
+        d.wait_status(lambda s: s.get("broker", {}).get("subscribed"), T)
         retune = d.request({"op": "retune", "force": True, "budget": 2})
         st = d.wait_status(lambda s: s["state"] == "idle" and s["last_tune"] is not None
                            and s["outbox"]["awaiting_fleet_ack"] >= 2, T)
@@ -328,7 +328,7 @@ def test_a_command_sent_while_the_device_is_away_reaches_it_when_it_returns(tmp_
     d = DaemonProc(daemon_config(tmp_path, mosquitto)).start()
     bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/cmd/res/#",))
     try:
-        d.wait_status(lambda s: s.get("broker", {}).get("connected") and s["state"] == "idle", T)
+        d.wait_status(lambda s: s.get("broker", {}).get("subscribed") and s["state"] == "idle", T)
         d.kill9()
         cmd = new_command("ping", ttl_s=600)
         bus.publish(Topics(DEV).cmd_req, encode(cmd))
@@ -368,7 +368,7 @@ def test_nan_and_infinite_expires_at_are_rejected(tmp_path, mosquitto):
     d = DaemonProc(daemon_config(tmp_path, mosquitto)).start()
     bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/cmd/res/#",))
     try:
-        d.wait_status(lambda s: s.get("broker", {}).get("connected"), T)
+        d.wait_status(lambda s: s.get("broker", {}).get("subscribed"), T)
         for i, bad in enumerate(("NaN", "Infinity", "-Infinity")):
             bus.publish(Topics(DEV).cmd_req, f'{{"id": "bad-{i}", "op": "ping", "expires_at": {bad}}}')
             r = bus.on(f"/cmd/res/bad-{i}", lambda r: r["status"] in ("rejected", "succeeded"), T)
@@ -448,7 +448,7 @@ def test_a_fleet_command_may_not_ask_for_a_huge_custom_shape(tmp_path, mosquitto
     d = DaemonProc(daemon_config(tmp_path, mosquitto)).start()
     bus = Bus(mosquitto, (f"edgetune/v1/{DEV}/cmd/res/#",))
     try:
-        d.wait_status(lambda s: s.get("broker", {}).get("connected"), T)
+        d.wait_status(lambda s: s.get("broker", {}).get("subscribed"), T)
         huge = {"id": "huge-1", "op": "retune", "args": {"workloads": ["gemm/custom.M4000-N4000-K4000"],
                                                         "budget": 100000}}
         bus.publish(Topics(DEV).cmd_req, encode(huge))
@@ -463,7 +463,7 @@ def test_stale_retained_state_and_progress_are_coalesced_while_offline(tmp_path)
     broker = Mosquitto(tmp_path / "broker").start()
     d = DaemonProc(daemon_config(tmp_path, broker)).start()
     try:
-        d.wait_status(lambda s: s.get("broker", {}).get("connected") and s["state"] == "idle", T)
+        d.wait_status(lambda s: s.get("broker", {}).get("subscribed") and s["state"] == "idle", T)
         broker.stop()
         d.wait_status(lambda s: not s["broker"]["connected"], T)
         for _ in range(3):
