@@ -90,6 +90,11 @@ class TopicSpec:
         """`cmd/res/` for `cmd/res/{id}`, else the whole sub-topic."""
         return self.sub[:-len("{id}")] if self.has_id else self.sub
 
+    @property
+    def filter_sub(self) -> str:
+        """The sub-topic as a subscription filter: `cmd/res/+` for `cmd/res/{id}`."""
+        return self.stem + "+" if self.has_id else self.sub
+
 
 STATUS = TopicSpec("status", DEVICE_TO_FLEET, True, ("state", "session", "version", "ts"))
 INFO = TopicSpec("info", DEVICE_TO_FLEET, True,

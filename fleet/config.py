@@ -11,7 +11,7 @@ it with the rest of the files (`<config dir>/edgetune.toml` and `conf.d/*.toml`,
     port = 8080
     stale_minutes = 10                             # an `online` device not heard from this long is `stale`
     retention_days = 30                            # telemetry received longer ago than this is deleted
-    share_group = ""                               # "fleet": N receivers split $share/fleet/edgetune/v1/+/#
+    share_group = ""                               # "fleet": N receivers split $share/fleet/edgetune/v1/+/…
     session_hours = 12                             # browser login lifetime
     secure_cookies = false                         # true behind an HTTPS proxy: cookies only over TLS
     anonymous_read = false                         # true: pages and GET API without a login (viewer role)

@@ -26,7 +26,6 @@ from fleet.store import FleetStore, Sample
 
 log = logging.getLogger("fleet.ingest")
 
-SUBSCRIPTION = wire.topic_filter()
 Incoming = tuple[str, bytes, bool]  # a message as the listener hands it over: topic, payload, retained
 OTHERS_PER_TX = 50  # non-telemetry messages per transaction: they hold their devices' rows until its commit
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
@@ -272,6 +271,12 @@ _HANDLERS: dict[wire.TopicSpec, Handler] = {
     wire.STATUS: _status, wire.INFO: _info, wire.CONFIG_ACTIVE: _active, wire.TUNING_RECORD: _record,
     wire.TELEMETRY: _telemetry, wire.CMD_REQ: _cmd_req, wire.CMD_RES: _cmd_res, wire.MODEL_STATE: _model_state,
 }
+
+
+def subscriptions(share: str | None = None) -> tuple[str, ...]:
+    """One filter per topic a receiver stores, every device: not `+/#`, which would also bring every model chunk
+    (64 KiB each, per downloading device), release and ack the fleet itself sends, to every receiver."""
+    return tuple(wire.topic_filter(t.filter_sub, share=share) for t in _HANDLERS)
 
 
 def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False, now: float | None = None) -> Outcome:

@@ -1,14 +1,16 @@
 """`edgetune fleet listen`: subscribe to every device's topics and store what arrives in the fleet DB.
 
-- Subscribes `edgetune/v1/+/#` at QoS 1 on a persistent session under a fixed client id
-  (`edgetune-fleet-<hostname>`), so the broker queues messages while the listener is down. With a share group
-  it subscribes `$share/<group>/edgetune/v1/+/#` instead (MQTT 5 shared subscription): the broker hands each
-  message to one of the receivers in the group, which then write to one PostgreSQL (each needs its own client id).
-  mosquitto keeps dealing a share to a member that is away (its persistent session queues it), so what a killed
-  receiver was sent waits for it to come back: restart it promptly. The retained messages (every device's status,
-  info, config/active) come with a new subscription only, not again on each reconnect of a resumed session (MQTT 5
-  Retain Handling 1): a receiver restarted beside a large fleet would otherwise re-store them all before its
-  backlog. A new fleet DB under an old session therefore gets no retained state: give it a new client id.
+- Subscribes every device's topics that it stores (`edgetune/v1/+/status`, `…/+/cmd/res/+`, …: fleet.ingest
+  .subscriptions; not `+/#`, which would bring every model chunk too) at QoS 1 on a persistent session under a
+  fixed client id (`edgetune-fleet-<hostname>`), so the broker queues messages while the listener is down. With a
+  share group it subscribes `$share/<group>/edgetune/v1/+/…` instead (MQTT 5 shared subscriptions): the broker
+  hands each message to one of the receivers in the group, which then write to one PostgreSQL (each needs its own
+  client id). mosquitto keeps dealing a share to a member that is away (its persistent session queues it), so
+  what a killed receiver was sent waits for it to come back: restart it promptly. The retained messages (every
+  device's status, info, config/active) come with a new subscription only, not again on each reconnect of a
+  resumed session (MQTT 5 Retain Handling 1): a receiver restarted beside a large fleet would otherwise re-store
+  them all before its backlog. A new fleet DB under an old session therefore gets no retained state: give it a
+  new client id.
 - Two threads: the broker client's only enqueues what arrives; a writer takes what is queued (up to BATCH_MAX,
   waiting at most BATCH_LINGER_S for more, so a lone message is not held up), stores it (fleet.ingest.ingest_batch:
   the telemetry in one transaction, the rest in small ones), and then hands the acknowledgements back to the
@@ -49,9 +51,9 @@ from pathlib import Path
 from typing import Callable
 
 from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message, backoff
-from edgetune.protocol import Topics, encode, topic_filter
+from edgetune.protocol import Topics, encode
 from edgetune.sqlite import DBBusy, DBError
-from fleet.ingest import SUBSCRIPTION, Outcome, ingest_batch
+from fleet.ingest import Outcome, ingest_batch, subscriptions
 from fleet.mqtt import hostname
 from fleet.store import open_fleet_store
 
@@ -85,8 +87,8 @@ class Listener(Handler):
         self.settings = dataclasses.replace(settings, reconnect_max_s=min(settings.reconnect_max_s, RECONNECT_MAX_S))
         self.store = open_fleet_store(db, threads=True)  # used only by the writer thread once started
         self.client_id = client_id or default_client_id()
-        self.subscription = topic_filter(share=share) if share else SUBSCRIPTION
-        self.client = Client(self.settings, self.client_id, self, subscriptions=(self.subscription,),
+        self.subscriptions = subscriptions(share or None)
+        self.client = Client(self.settings, self.client_id, self, subscriptions=self.subscriptions,
                              session_expiry_s=session_expiry_s, manual_ack=True, receive_maximum=RECEIVE_MAXIMUM,
                              retained_on_resume=False, name="fleet-listener")
         self.alarm: str | None = None  # the fleet DB's error while it cannot store; None when it works
@@ -108,7 +110,7 @@ class Listener(Handler):
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> "Listener":
-        log.info("fleet listener %s → %s, client id %s, db %s", self.settings.label, self.subscription,
+        log.info("fleet listener %s → %s, client id %s, db %s", self.settings.label, " ".join(self.subscriptions),
                  self.client_id, self.store.path)
         self._writer.start()
         self.client.start()
@@ -179,7 +181,7 @@ class Listener(Handler):
     def on_subscribe(self, conn: Connection, error: str | None) -> None:
         if error:
             return  # the client logged it
-        log.debug("subscribed to %s", self.subscription)
+        log.debug("subscribed to %s", " ".join(self.subscriptions))
         self._count(subscribes=1)
         self.subscribed.set()
 
