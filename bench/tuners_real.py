@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -110,12 +111,13 @@ def load_layers(path: Path, kernels: list[str], per_kernel: int | None,
 # ---- sessions ---------------------------------------------------------------------------------------------
 
 def _cold(td: Path, tag: str) -> None:
-    """A fresh build cache for the next session: its compile time is real."""
-    os.environ["CACHE_DIRECTORY"] = str(td / "cold" / tag)
+    """A fresh build cache for the next session: its compile time is real. The tag is made a plain name, since
+    CACHE_DIRECTORY is cut at its first ':' (systemd's list) and `llm:k=5` would share `llm`'s builds."""
+    os.environ["CACHE_DIRECTORY"] = str(td / "cold" / re.sub(r"[^A-Za-z0-9_.=-]", "_", tag))
 
 
 def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):
-    """A peer (bench/peer_tuners.py), or one of ours by name, with settings after a colon (`llm:k=5,history=0`)."""
+    """A peer (bench/peer_tuners.py), or one of ours by name, with settings after a colon (`llm:k=5+history=0`)."""
     from peer_tuners import make_peer
 
     from tuner.strategies import STRATEGIES
@@ -127,14 +129,15 @@ def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):
     return STRATEGIES[base](space, seed, kernel=spec, **kw)
 
 
-def _setting(v: str) -> int | float | Path:
-    """A strategy setting from the command line: a number, else a path (`llm:model_path=other.gguf`)."""
+def _setting(v: str) -> int | float | str | tuple[str, ...]:
+    """A strategy setting from the command line: a number, a list (`llm:always_hedge=threads/vec`), else a string
+    (`llm:model_path=other.gguf`)."""
     for kind in (int, float):
         try:
             return kind(v)
         except ValueError:
             pass
-    return Path(v)
+    return tuple(v.split("/")) if "/" in v and not v.endswith(".gguf") else v
 
 
 def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int) -> Run:

@@ -160,6 +160,17 @@ def test_the_first_batch_always_tries_another_thread_count(hw):
     assert {c["threads"] for c in LLMStrategy(tiny, 0, kernel=GEMM).ask(2)} == {1}
 
 
+def test_each_always_hedged_knob_keeps_its_own_slot(hw):
+    """Hedging two knobs takes two slots from the end: the second hedge does not replace the first, and the model's
+    top pick stays."""
+    space = GEMM.space(GEMM.workload("mobilenetv2.b2.expand").shape, hw)
+    top = LLMStrategy(space, 0, kernel=GEMM, always_hedge=()).ask(DEFAULT_K)
+    both = LLMStrategy(space, 0, kernel=GEMM, always_hedge=("threads", "vec")).ask(DEFAULT_K)
+    assert len(both) == DEFAULT_K and both[0] == top[0]
+    assert len({c["threads"] for c in both}) == 2 and len({c["vec"] for c in both}) >= 2, both
+    assert len({config_key(c) for c in both}) == DEFAULT_K
+
+
 @pytest.mark.parametrize("damage", ["truncated", "random-bytes", "missing"])
 def test_damaged_model_falls_back_to_anneal_and_tuning_completes(damage, tmp_path, monkeypatch, caplog, hw, runner):
     bad = tmp_path / "tuner.Q8_0.gguf"

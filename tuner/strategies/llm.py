@@ -1,6 +1,6 @@
 """Strategy `llm`: the tuner model proposes, measurements steer it, and it stops when the neighbourhood says done.
 
-1. First batch (`k`, default 4): the model's top configs, hedged where it is unsure. From its exact top-(3k), the
+1. First batch (`k`, default 5): the model's top configs, hedged where it is unsure. From its exact top-(3k), the
    knobs whose probability mass is split (vector width, tile shape: whichever the model doubts for this prompt)
    each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the thread count
    is always hedged, since what it is worth depends on the device's other load (a top-5 that all said threads=2 on
@@ -42,14 +42,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STRATEGY_VERSION = "3"
-DEFAULT_K = 4
+STRATEGY_VERSION = "4"
+# the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
+# 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
+DEFAULT_K = 5
 UNSURE = 0.85  # a knob whose leading value holds under this share of the top configs' mass is hedged
 # knobs hedged however sure the model is: what the threads knob is worth depends on what else runs on the device
 # (a 2-thread kernel on a busy 2-core device measured 2-30x slower than on an idle one), which no prompt can say
 ALWAYS_HEDGE = ("threads",)
 HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top-12 costs 14 ms CPU p50, 20 p95 on
-#                 the 35 held-out layers at load ~10 (top-16: 15 / 24; top-5: 10 / 17)
+#                 the 35 held-out layers at load ~10 (top-16: 15 / 24; top-5: 10 / 17); a session's calls with
+#                 top-15 first: CPU p95 19-21 ms at load 1-2
 EVIDENCE_WEIGHT = 1.5  # log-weight per log of a value's best time over the best of all
 PATIENCE = 4
 WIDE_SPREAD = 2.0  # the first batch's slowest over fastest: beyond this, patience doubles
@@ -140,12 +143,14 @@ class LLMStrategy(Strategy):
 
     def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: KernelSpec | None = None, k: int = DEFAULT_K,
                  model_path: Path | None = None, proposer: Any = None, patience: int = PATIENCE,
-                 evidence: float = EVIDENCE_WEIGHT, history: bool = True):
+                 evidence: float = EVIDENCE_WEIGHT, history: bool = True,
+                 always_hedge: tuple[str, ...] = ALWAYS_HEDGE):
         super().__init__(space, seed, kernel=kernel)
         self.k = k
         self.patience = patience
         self.evidence = evidence
         self.use_history = history  # prompt the model with the measurements (False: evidence bias alone)
+        self.always_hedge = tuple(always_hedge)  # knobs the first batch holds two values of, however sure
         self.fallback: Anneal | None = None  # no usable model: plain anneal
         self.refiner: Anneal | None = None  # the model has nothing left to propose: local search, same patience
         self.proposer = None
@@ -153,6 +158,7 @@ class LLMStrategy(Strategy):
         self.first: list[Config] = []
         self.history: list[tuple[Config, float]] = []  # ok measurements, in the order told
         self.since_best = 0
+        self.local_steps = 0  # with `mapped` knobs: every other local step explores one of them
         self.spread: float | None = None
         self.latency_ms: float | None = None
         self.calls: list[tuple[float, float]] = []  # (wall ms, CPU ms) of each proposal call
@@ -221,17 +227,21 @@ class LLMStrategy(Strategy):
         return [(p.config, p.logprob) for p in res.proposals]
 
     def _always_hedged(self, batch: list[Config]) -> list[Config]:
-        """The batch, with its last config swapped for the model's best one holding another value of each
-        ALWAYS_HEDGE knob that the batch lacks (when the constraints allow one)."""
-        for name in ALWAYS_HEDGE:
+        """The batch, with its last configs swapped (one per knob, from the end) for the model's best one holding
+        another value of each always-hedged knob that the batch lacks (when the constraints allow one)."""
+        slot = len(batch) - 1  # the next config to give up; the model's top pick is kept
+        for name in self.always_hedge:
             if not batch or name not in self.space.names or len({c[name] for c in batch}) > 1:
                 continue
             top = batch[0][name]
             alt = self._propose(1, extra=lambda c, n=name, v=top: n not in c or c[n] != v, exclude=self.seen | {
                 config_key(c) for c in batch})
-            if alt and len(batch) > 1:
-                batch = batch[:-1] + [alt[0][0]]
-            elif alt:
+            if not alt:
+                continue
+            if slot >= 1:
+                batch = batch[:slot] + [alt[0][0]] + batch[slot + 1:]
+                slot -= 1
+            else:
                 batch = batch + [alt[0][0]]
         return batch
 
@@ -243,7 +253,8 @@ class LLMStrategy(Strategy):
         nbrs = [c for c in self.space.neighbours(self.best[1]) if config_key(c) not in self.seen]
         if self.mapped:
             new = [c for c in nbrs if any(c[k] != self.best[1][k] for k in self.mapped)]
-            if new and len(self.history) % 2 == 0:
+            self.local_steps += 1
+            if new and self.local_steps % 2 == 1:
                 return self.rng.choice(new)
             nbrs = [c for c in nbrs if c not in new]
         if not nbrs:
