@@ -125,19 +125,19 @@ def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):
     if name.startswith(PEERS):
         return make_peer(name, space, seed, budget)
     base, _, opts = name.partition(":")
-    kw = {k: _setting(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
+    kw = {k: _setting(k, v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
     return STRATEGIES[base](space, seed, kernel=spec, **kw)
 
 
-def _setting(v: str) -> int | float | str | tuple[str, ...]:
-    """A strategy setting from the command line: a number, a list (`llm:always_hedge=threads/vec`), else a string
-    (`llm:model_path=other.gguf`)."""
+def _setting(key: str, v: str) -> int | float | str | tuple[str, ...]:
+    """A strategy setting from the command line: a number, a path (`llm:model_path=other.gguf`), else a list when
+    it holds '/' (`llm:always_hedge=threads/vec`) or a string."""
     for kind in (int, float):
         try:
             return kind(v)
         except ValueError:
             pass
-    return tuple(v.split("/")) if "/" in v and not v.endswith(".gguf") else v
+    return tuple(v.split("/")) if "/" in v and not key.endswith("_path") else v
 
 
 def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int) -> Run:
