@@ -111,12 +111,12 @@ def _need(doc: dict, name: str, kind: type | tuple[type, ...]) -> Any:
 
 
 def parse_manifest(doc: Any) -> Manifest:
-    """A Manifest from its JSON object, or ReleaseRejected(malformed) naming the bad field."""
+    """A Manifest from its JSON object, or ReleaseRejected(malformed) naming the bad field. Fields this version does
+    not know are ignored (as TUF clients do): they are signed with the rest, so only the fleet can add them, and a
+    fleet newer than its devices must still reach them; a release that needs a newer device says so in
+    `min_edgetune`."""
     if not isinstance(doc, dict):
         raise ReleaseRejected(MALFORMED, f"manifest is a {type(doc).__name__}, not a JSON object")
-    unknown = set(doc) - (set(Manifest.__dataclass_fields__) - {"mqtt_chunk_size"} | {"mqtt"})
-    if unknown:
-        raise ReleaseRejected(MALFORMED, f"manifest has unknown fields {sorted(unknown)}")
     name, sha, kid = _need(doc, "name", str), _need(doc, "sha256", str), _need(doc, "key_id", str)
     if not NAME_RE.fullmatch(name):
         raise ReleaseRejected(MALFORMED, f"manifest name {name[:80]!r}: 1-64 of A-Z a-z 0-9 _ . -")
