@@ -170,8 +170,7 @@ def run_loop(a: argparse.Namespace, tmp: Path) -> dict:
         built = edgetune(env, "fleet", "model", "build", "--where", f"isa={a.isa}",
                          *(["--steps", str(a.steps)] if a.steps else []), timeout=a.timeout)
         t_built = time.time()
-        card = json.loads(Path(built["file"]).with_name(Path(built["file"]).name.split(".")[0] + ".card.json")
-                          .read_text())
+        card = built["card"]  # `fleet model build --json` carries the registered model's card
         say(f"retrained v{built['version']} on {built['records']} fleet records in {t_built - t_in:.0f} s "
             f"({card['training']['steps']} steps, final loss {card['training']['final_loss']:.3f}, "
             f"{card['cases']['train']} training cases)")

@@ -341,15 +341,14 @@ def test_a_search_runs_to_its_expansion_cap_recycling_kv_sequences(proposer, hw)
     """A top-400 on the largest spaces expands more nodes (up to the cap, 600 by default) than there are KV
     sequences (128): the search recycles the worst-scoring nodes' sequences (their children rebuild from the
     prompt) and still returns valid, distinct configs in score order."""
-    capped = proposer
     largest = sorted(model_kernels(), key=lambda s: -s.space(s.workloads[0].shape, hw).size())[:2]
     if not largest or largest[0].space(largest[0].workloads[0].shape, hw).size() < 400:
         pytest.skip("no kernel the bundled model knows has a space of 400 configs")
     for spec in largest:
         name = spec.name
         space = spec.space(spec.workloads[0].shape, hw)
-        res = capped.propose(name, space, 400)
-        assert res.expansions >= capped.max_expansions > proposer.m.n_seq_max
+        res = proposer.propose(name, space, 400)
+        assert res.expansions >= proposer.max_expansions > proposer.m.n_seq_max
         assert len(res.proposals) >= 10 and all(space.is_valid(p.config) for p in res.proposals)
         assert len({config_key(p.config) for p in res.proposals}) == len(res.proposals)
         assert [p.logprob for p in res.proposals] == sorted((p.logprob for p in res.proposals), reverse=True)
