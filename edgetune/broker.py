@@ -196,11 +196,12 @@ class Client:
     def __init__(self, settings: BrokerSettings, client_id: str, handler: Handler, *,
                  subscriptions: Sequence[str] = (), session_expiry_s: int = 0,
                  will: Callable[[], Will] | None = None, manual_ack: bool = False, receive_maximum: int | None = None,
-                 retained_on_resume: bool = True, name: str = "mqtt"):
+                 retained_on_resume: bool = True, retired: Sequence[str] = (), name: str = "mqtt"):
         if not settings.host:
             raise BadInput("no broker host configured")
         self.settings, self.client_id, self.handler = settings, client_id, handler
         self.subscriptions = tuple(subscriptions)
+        self.retired = tuple(retired)  # filters an older version may have left in a resumed session
         self.session_expiry_s, self._will, self._manual_ack = session_expiry_s, will, manual_ack
         self.receive_maximum, self.retained_on_resume = receive_maximum, retained_on_resume
         self.protocol = settings.protocol
@@ -476,6 +477,8 @@ class Client:
         session = bool(getattr(flags, "session_present", False))
         log.info("mqtt: connected to %s (MQTT %s, session %s)", self.settings.label, self.protocol,
                  "resumed" if session else "new")
+        if session and self.retired:  # before the SUBACK that makes us ready: the broker handles them in order
+            client.unsubscribe(list(self.retired))
         if self.subscriptions:  # every connect: a new session has no subscriptions
             client.subscribe([(f, self._subscribe_options()) for f in self.subscriptions])
         else:

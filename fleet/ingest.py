@@ -279,6 +279,12 @@ def subscriptions(share: str | None = None) -> tuple[str, ...]:
     return tuple(wire.topic_filter(t.filter_sub, share=share) for t in _HANDLERS)
 
 
+def retired_subscriptions(share: str | None = None) -> tuple[str, ...]:
+    """What receivers before the per-topic filters subscribed: a persistent session they created still holds it on
+    the broker, so a receiver resuming one drops it."""
+    return (wire.topic_filter("#", share=share),)
+
+
 def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False, now: float | None = None) -> Outcome:
     """Store one message in its own transaction. Never raises for a bad topic or payload; raises DBError only."""
     now = time.time() if now is None else now

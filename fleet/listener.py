@@ -1,7 +1,8 @@
 """`edgetune fleet listen`: subscribe to every device's topics and store what arrives in the fleet DB.
 
 - Subscribes every device's topics that it stores (`edgetune/v1/+/status`, `…/+/cmd/res/+`, …: fleet.ingest
-  .subscriptions; not `+/#`, which would bring every model chunk too) at QoS 1 on a persistent session under a
+  .subscriptions; not `+/#`, which would bring every model chunk too, and which a session resumed from an older
+  receiver has dropped on connect) at QoS 1 on a persistent session under a
   fixed client id (`edgetune-fleet-<hostname>`), so the broker queues messages while the listener is down. With a
   share group it subscribes `$share/<group>/edgetune/v1/+/…` instead (MQTT 5 shared subscriptions): the broker
   hands each message to one of the receivers in the group, which then write to one PostgreSQL (each needs its own
@@ -53,7 +54,7 @@ from typing import Callable
 from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message, backoff
 from edgetune.protocol import Topics, encode
 from edgetune.sqlite import DBBusy, DBError
-from fleet.ingest import Outcome, ingest_batch, subscriptions
+from fleet.ingest import Outcome, ingest_batch, retired_subscriptions, subscriptions
 from fleet.mqtt import hostname
 from fleet.store import open_fleet_store
 
@@ -90,7 +91,8 @@ class Listener(Handler):
         self.subscriptions = subscriptions(share or None)
         self.client = Client(self.settings, self.client_id, self, subscriptions=self.subscriptions,
                              session_expiry_s=session_expiry_s, manual_ack=True, receive_maximum=RECEIVE_MAXIMUM,
-                             retained_on_resume=False, name="fleet-listener")
+                             retained_on_resume=False, retired=retired_subscriptions(share or None),
+                             name="fleet-listener")
         self.alarm: str | None = None  # the fleet DB's error while it cannot store; None when it works
         self._db_failures = 0
         self._expired_at = 0.0

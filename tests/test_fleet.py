@@ -223,6 +223,32 @@ def test_malformed_payloads_are_skipped_and_listener_keeps_running(mosquitto, li
     dev.close()
 
 
+def test_a_session_resumed_from_an_older_receiver_drops_its_all_topics_filter(mosquitto, db):
+    cid = f"fleet-old-{uuid.uuid4().hex[:8]}"
+    old = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv5)
+    held = threading.Event()
+    old.on_subscribe = lambda *a: held.set()
+    old.on_connect = lambda c, *a: c.subscribe("edgetune/v1/+/#", qos=1)  # what receivers used to subscribe
+    expiry = mqtt.Properties(mqtt.PacketTypes.CONNECT)
+    expiry.SessionExpiryInterval = 3600
+    old.connect(mosquitto.host, mosquitto.port, clean_start=False, properties=expiry)
+    old.loop_start()
+    assert held.wait(T), "the older receiver's session was not set up"
+    old.disconnect()
+    old.loop_stop()
+    lst = Listener(opts(mosquitto), db, client_id=cid).start()
+    try:
+        assert lst.subscribed.wait(T)
+        dev = Device(mosquitto)
+        dev.pub("model/chunk", b"{}")  # only the old filter matches it
+        dev.pub("status", {"state": "online", "session": 1, "version": "0.1.0", "ts": time.time()})
+        assert lst.wait_for(lambda c: c["status"] >= 1, T), dict(lst.counts)
+        assert lst.counts["messages"] == 1 and lst.counts["ignored"] == 0, dict(lst.counts)
+        dev.close()
+    finally:
+        lst.stop()
+
+
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
 def test_persistent_session_queues_while_the_listener_is_down(mosquitto, db, protocol):
     cid = f"fleet-persist-{protocol}"
