@@ -142,14 +142,24 @@ def _index(part: Path) -> Path:
     return part.with_name(part.name + ".chunks")
 
 
-def _held(part: Path, size: int, chunk_size: int) -> set[int]:
-    """The chunks of `part` on disk: those its index lists (for this chunk size), else the whole chunks of an HTTP
-    prefix."""
-    n, index = chunk_count(size, chunk_size), _index(part)
-    if index.exists():
-        lines = index.read_text().split("\n")
-        if lines[0] == str(chunk_size):
-            return {int(x) for x in lines[1:-1] if x.isdigit() and int(x) < n}  # [-1]: after the last newline
+def _read_index(part: Path) -> tuple[int, list[int]] | None:
+    """The chunk size and the chunks `part`'s index lists (size 0: its first line is damaged); None without one.
+    A torn last line (no newline after it) is left out."""
+    index = _index(part)
+    if not index.exists():
+        return None
+    lines = index.read_text().split("\n")
+    if not lines[0].isdigit():
+        return 0, []
+    return int(lines[0]), [int(x) for x in lines[1:-1] if x.isdigit()]
+
+
+def _held(part: Path, size: int, chunk_size: int, listing: tuple[int, list[int]] | None) -> set[int]:
+    """The chunks of `part` on disk: those its index `listing` names (for this chunk size), else the whole chunks
+    of an HTTP prefix."""
+    n = chunk_count(size, chunk_size)
+    if listing is not None and listing[0] == chunk_size:
+        return {i for i in listing[1] if i < n}
     have = min(part.stat().st_size if part.exists() else 0, size)
     return set(range(n if have == size else have // chunk_size))
 
@@ -158,25 +168,21 @@ def _contiguous(part: Path, size: int) -> int:
     """The bytes from the start of `part` that an HTTP download may continue from (see the module doc); the part
     is cut there only when the server answers (`_get`), so chunks stay usable while HTTP is unreachable."""
     have = part.stat().st_size if part.exists() else 0
-    index = _index(part)
-    if index.exists():
-        cs = _index_chunk_size(index)
-        held = _held(part, size, cs) if cs else set()
+    listing = _read_index(part)
+    if listing is not None:
+        cs = listing[0]
+        held = _held(part, size, cs, listing) if cs else set()
         have = min(have, next(i for i in range(len(held) + 1) if i not in held) * cs)  # up to the first gap
     return have if have <= size else 0  # longer: not this release's bytes, start over
 
 
-def _index_chunk_size(index: Path) -> int:
-    first = index.read_text().split("\n")[0] if index.exists() else ""
-    return int(first) if first.isdigit() else 0
-
-
 def held_bytes(part: Path, size: int) -> int:
     """How much of the file `part` holds, whichever way it came (for the `downloading` report)."""
-    cs = _index_chunk_size(_index(part))
-    if not cs:
+    listing = _read_index(part)
+    if not listing or not listing[0]:
         return min(part.stat().st_size if part.exists() else 0, size)
-    return sum(min(cs, size - i * cs) for i in _held(part, size, cs))
+    cs = listing[0]
+    return sum(min(cs, size - i * cs) for i in _held(part, size, cs, listing))
 
 
 @dataclass
@@ -234,12 +240,13 @@ def fetch_chunks(part: Path, size: int, sha256: str, chunk_size: int, *, timeout
     """Fill `part` with the `size` bytes of file `sha256` from MQTT chunks (see the module doc): `request` sends a
     model/chunk/req payload, `receive(wait_s)` returns the next model/chunk payload or None after wait_s."""
     part.parent.mkdir(parents=True, exist_ok=True)
-    index = _index(part)
-    if _index_chunk_size(index) != chunk_size:  # none (an HTTP prefix, if anything), another size, or damaged:
+    index, listing = _index(part), _read_index(part)
+    if listing is None or listing[0] != chunk_size:  # none (an HTTP prefix, if anything), another size, damaged:
         if part.exists():  # keep the run from the start
             os.truncate(part, _contiguous(part, size))
         index.unlink(missing_ok=True)
-    n, held = chunk_count(size, chunk_size), _held(part, size, chunk_size)
+        listing = None
+    n, held = chunk_count(size, chunk_size), _held(part, size, chunk_size, listing)
     if not index.exists():
         write_atomic(index, "".join(f"{i}\n" for i in [chunk_size, *sorted(held)]).encode())
     if held:

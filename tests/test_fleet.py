@@ -564,8 +564,8 @@ def test_ingest_never_raises_on_fuzzed_payloads(db):
            retained=st.booleans())
     def check(device, sub, payload, retained):
         out = ingest(store, f"edgetune/v1/{device}/{sub}", payload, retained)
-        assert out.kind in {"status", "info", "active", "record", "telemetry", "cmd_req", "cmd_res", "ignored",
-                            "malformed"}
+        assert out.kind in {"status", "info", "active", "record", "telemetry", "cmd_req", "cmd_res", "model_state",
+                            "ignored", "malformed"}
         assert (out.kind == "malformed") == (out.error is not None)
 
     check()
