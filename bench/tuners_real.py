@@ -112,8 +112,14 @@ def load_layers(path: Path, kernels: list[str], per_kernel: int | None,
 
 def _cold(td: Path, tag: str) -> None:
     """A fresh build cache for the next session: its compile time is real. The tag is made a plain name, since
-    CACHE_DIRECTORY is cut at its first ':' (systemd's list) and `llm:k=5` would share `llm`'s builds."""
-    os.environ["CACHE_DIRECTORY"] = str(td / "cold" / re.sub(r"[^A-Za-z0-9_.=-]", "_", tag))
+    CACHE_DIRECTORY is cut at its first ':' (systemd's list) and `llm:k=5` would share `llm`'s builds. The
+    precompiled header (kernels.pch) is shared: a device makes it once, not once per session."""
+    cold = td / "cold" / re.sub(r"[^A-Za-z0-9_.=-]", "_", tag)
+    (td / "pch").mkdir(exist_ok=True)
+    cold.mkdir(parents=True, exist_ok=True)
+    if not (cold / "pch").exists():
+        (cold / "pch").symlink_to(td / "pch")
+    os.environ["CACHE_DIRECTORY"] = str(cold)
 
 
 def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):

@@ -17,6 +17,7 @@ from edgetune import paths
 from edgetune.errors import BadInput, EdgetuneError
 from hwprobe.compiler import CompilerMissing, compiler_path, describe_compiler
 from hwprobe.target import is_foreign, toolchain
+from kernels import pch
 from kernels.space import Config, Shape
 from kernels.spec import C_DIR, KernelSpec
 
@@ -82,12 +83,27 @@ def shape_flags(spec: KernelSpec, shape: Shape | None) -> list[str]:
     return [f"-DET_SHAPE_{d.upper()}={int(shape[d])}" for d in spec.baked_dims] if shape else []
 
 
-def compile_command(spec: KernelSpec, cfg: Config, hw: Any, out: Path, cc: str, shape: Shape | None = None) -> list[str]:
-    """-pthread for the header's thread pool (every build: a firmware build of the same source needs the same)."""
+def code_flags(hw: Any) -> list[str]:
+    """The flags that shape the code (a precompiled header is made with the same). -pthread for the header's
+    thread pool (every build: a firmware build of the same source needs the same)."""
+    return ["-O3", *target_flags(hw), "-fPIC", "-pthread"]
+
+
+def compile_command(spec: KernelSpec, cfg: Config, hw: Any, out: Path, cc: str, shape: Shape | None = None,
+                    include: Path | None = None) -> list[str]:
+    """`include`: a header forced in first (the precompiled <immintrin.h>, see kernels.pch)."""
     return [
-        cc, "-O3", *target_flags(hw), "-fPIC", "-shared", "-pthread",
+        cc, *code_flags(hw), "-shared", *(["-include", str(include)] if include else []),
         f"-I{C_DIR}", *knob_flags(cfg), *shape_flags(spec, shape), str(spec.source), "-o", str(out), "-lm",
     ]
+
+
+def precompiled(spec: KernelSpec, hw: Any, cc: str, cc_id: str) -> Path | None:
+    """The precompiled header for `spec`'s builds, for the kernels on the packed GEMM core when the target has
+    AVX-512 (where et_gemm.h includes <immintrin.h>); None for the rest, where it would not pay (kernels.pch)."""
+    if C_DIR / "et_gemm.h" not in spec.extra_headers or not pch.defines_avx512(cc, tuple(target_flags(hw))):
+        return None
+    return pch.header(cc_id, code_flags(hw))
 
 
 def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
@@ -100,7 +116,8 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
         raise BadInput(f"{spec.name} has no knob(s) {', '.join(unknown)}; its knobs: "
                        f"{', '.join(p.name for p in spec.params)}")
     cc, cc_id = target_compiler(hw)
-    probe_cmd = compile_command(spec, cfg, hw, Path("OUT"), cc, shape)
+    include = precompiled(spec, hw, cc, cc_id)
+    probe_cmd = compile_command(spec, cfg, hw, Path("OUT"), cc, shape, include)
     h = hashlib.sha256(spec.source_hash().encode())
     h.update("\0".join(probe_cmd[1:]).encode())
     h.update(f"{hw.arch}\0{cc_id}".encode())
@@ -110,13 +127,16 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
     out = out_dir / f"{spec.name}-{key}.so"
     if out.exists():
         return Build(out, key, 0.0, True)
+    if include:
+        pch.ensure(cc, cc_id, code_flags(hw))
     # unique per process and thread: build_many's threads may get the same config twice in one batch
     tmp = out.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp.so")
+    cmd = compile_command(spec, cfg, hw, tmp, cc, shape, include)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(
-            compile_command(spec, cfg, hw, tmp, cc, shape), capture_output=True, text=True, timeout=timeout_s
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 and include and pch.unreadable(include, proc.stderr):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)  # now parses the header
     except subprocess.TimeoutExpired:
         tmp.unlink(missing_ok=True)
         raise CompileError(f"{spec.name} {cfg}: compile timed out after {timeout_s:.0f}s")
