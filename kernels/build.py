@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import threading
@@ -21,7 +22,12 @@ from kernels import pch
 from kernels.space import Config, Shape
 from kernels.spec import C_DIR, KernelSpec
 
+log = logging.getLogger(__name__)
+
 COMPILE_TIMEOUT_S = 60.0
+# builds kept (~8000 of ~32 KB): beyond it the least recently used go, so retunes over a device's life cannot fill
+# its disk; a removed build is compiled again when next asked for
+CACHE_MAX_BYTES = 256 << 20
 
 
 class CompileError(EdgetuneError):
@@ -126,6 +132,7 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{spec.name}-{key}.so"
     if out.exists():
+        _touch(out)
         return Build(out, key, 0.0, True)
     if include:
         pch.ensure(cc, cc_id, code_flags(hw))
@@ -147,6 +154,39 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
         raise CompileError(f"{spec.name} {cfg}: compiler failed: {why}")
     os.replace(tmp, out)  # atomic: a concurrent builder of the same key is harmless
     return Build(out, key, time.perf_counter() - t0, False)
+
+
+def _touch(path: Path) -> None:
+    """Mark a build used now: prune_builds keeps the recently used."""
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache still serves its builds
+        pass
+
+
+def prune_builds(max_bytes: int | None = None) -> int:
+    """Once the builds take more than `max_bytes`, remove the least recently used (built or reused) until they take
+    3/4 of it, so that pruning is rare (default: CACHE_MAX_BYTES). Returns the bytes freed."""
+    max_bytes = CACHE_MAX_BYTES if max_bytes is None else max_bytes
+    entries = []
+    for p in (paths.cache_dir() / "builds").glob("*.so"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # another process pruned it
+            continue
+        entries.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in entries)
+    if total <= max_bytes:
+        return 0
+    freed = 0
+    for _, size, p in sorted(entries, key=lambda e: e[0]):
+        if total - freed <= max_bytes * 3 // 4:
+            break
+        p.unlink(missing_ok=True)
+        freed += size
+    log.info("build cache: removed %.1f MB of least recently used builds (kept %.1f MB)", freed / 2**20,
+             (total - freed) / 2**20)
+    return freed
 
 
 def build_many(spec: KernelSpec, cfgs: Iterable[Config], hw: Any, jobs: int | None = None, *,

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from edgetune.errors import BadInput
+from kernels import build as build_mod
+from kernels.build import build, prune_builds
 from kernels.measure import Measurement
 from kernels.registry import get_spec
 from kernels.space import config_key
@@ -264,6 +266,34 @@ def test_cache_key_misses_on_source_compiler_isa_change(hw, tmp_path):
     assert result_key(GEMM, SMALL, dataclasses.replace(hw, isa="x86-64-v2"), strat) != base
     assert result_key(GEMM, SMALL, hw, Anneal(GEMM.space(SMALL.shape, hw))) != base
     assert result_key(GEMM, SMALL, hw, strat) == base
+
+
+def test_the_build_cache_drops_the_least_recently_used_beyond_its_cap(hw, tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cache"))
+    cfgs = [{**GEMM.default, "kc": kc} for kc in (32, 64, 128, 256)]
+    built = [build(GEMM, c, hw) for c in cfgs]
+    now = time.time()
+    for age, b in zip((4, 3, 2, 1), built):  # built in this order, an hour apart
+        os.utime(b.path, (now - age * 3600,) * 2)
+    assert build(GEMM, cfgs[0], hw).cached  # the oldest, used again: now the most recent
+    sizes = [b.path.stat().st_size for b in built]
+    assert prune_builds(sum(sizes)) == 0  # within the cap: nothing goes
+    cap = sum(sizes) - 1
+    freed = prune_builds(cap)
+    kept = [b.path.exists() for b in built]
+    assert freed > 0 and sum(s for s, k in zip(sizes, kept) if k) <= cap * 3 // 4
+    assert kept[0] and not kept[1]  # the reused one stays, the least recently used goes first
+    assert kept[1:] == sorted(kept[1:])  # and the rest in order of last use
+    again = build(GEMM, cfgs[1], hw)  # a removed build is compiled again when asked for
+    assert not again.cached and again.path.exists()
+
+
+def test_a_session_leaves_the_build_cache_within_its_cap(hw, runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cache"))
+    monkeypatch.setattr(build_mod, "CACHE_MAX_BYTES", 1)
+    r = Session(ResultsDB(), runner, hw).tune(GEMM, SMALL, strategy="random", budget=Budget(evals=3))
+    assert r.evals == 3 and r.config
+    assert not list((tmp_path / "cache" / "builds").glob("*.so"))
 
 
 class _ListStrategy:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 from edgetune.errors import EdgetuneError
+from kernels.build import prune_builds
 from kernels.measure import TIE_THRESHOLD, Measurement, is_tie
 from kernels.space import Config, SearchSpace, config_key
 from kernels.spec import KernelSpec, Workload
@@ -194,7 +195,9 @@ class Session:
                 if progress:
                     progress(len(evals), budget.evals, f"{spec.name}/{wl.name} best {best_ms:.4g} "
                                                        f"{'ms' if objective.active == 'latency' else objective.active}")
-        return self._finish(ev, spec, wl, space, strat, sess.id, key, evals, t0, objective)
+        result = self._finish(ev, spec, wl, space, strat, sess.id, key, evals, t0, objective)
+        prune_builds()  # after the finals: this session's builds are the most recently used
+        return result
 
     @staticmethod
     def _elapsed(journal: dict) -> float:
