@@ -135,7 +135,7 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
         _touch(out)
         return Build(out, key, 0.0, True)
     if include:
-        pch.ensure(cc, cc_id, code_flags(hw))
+        include = pch.ensure(cc, cc_id, code_flags(hw))  # None: the cache cannot hold it, build without
     # unique per process and thread: build_many's threads may get the same config twice in one batch
     tmp = out.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp.so")
     cmd = compile_command(spec, cfg, hw, tmp, cc, shape, include)

@@ -52,14 +52,19 @@ def header(cc_id: str, flags: list[str]) -> Path:
     return paths.cache_dir() / "pch" / key / "et_immintrin.h"
 
 
-def ensure(cc: str, cc_id: str, flags: list[str]) -> Path:
-    """The header to `-include`, its `.gch` made first if missing (a failure is logged; the header still works)."""
+def ensure(cc: str, cc_id: str, flags: list[str]) -> Path | None:
+    """The header to `-include`, its `.gch` made first if missing (a failure is logged; the header still works);
+    None when not even the header can be written (a full or read-only cache): build without it."""
     h = header(cc_id, flags)
     gch = h.with_name(h.name + ".gch")
     with _lock:
-        h.parent.mkdir(parents=True, exist_ok=True)
-        if not h.exists():
-            write_atomic(h, HEADER, mode=0o644)
+        try:
+            h.parent.mkdir(parents=True, exist_ok=True)
+            if not h.exists():
+                write_atomic(h, HEADER, mode=0o644)
+        except OSError as e:
+            log.warning("no precompiled <immintrin.h>, builds parse it (slower, same code): %s", e)
+            return None
         if not gch.exists() and h not in _failed:
             _precompile(cc, flags, h, gch)
     return h

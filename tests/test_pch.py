@@ -89,3 +89,13 @@ def test_a_compiler_that_cannot_precompile_leaves_builds_as_they_were(hw, tmp_pa
     assert built.path.exists() and not built.cached
     assert "no precompiled <immintrin.h>" in caplog.text and "no precompiled headers here" in caplog.text
     assert not list(Path(pch.paths.cache_dir()).glob("pch/*/*.gch"))
+
+
+def test_a_cache_that_cannot_hold_the_header_builds_without_it(hw, tmp_path, monkeypatch, fresh):
+    v4, spec = at(hw, "x86-64-v4"), get_spec("gemm")
+    cc, cc_id = target_compiler(v4)
+    blocker = pch.header(cc_id, code_flags(v4)).parent
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where the header's directory should be")  # mkdir fails as on a full disk
+    built = build(spec, spec.default, v4)
+    assert built.path.exists() and not built.cached
