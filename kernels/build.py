@@ -182,7 +182,11 @@ def prune_builds(max_bytes: int | None = None) -> int:
     for _, size, p in sorted(entries, key=lambda e: e[0]):
         if total - freed <= max_bytes * 3 // 4:
             break
-        p.unlink(missing_ok=True)
+        try:
+            p.unlink(missing_ok=True)
+        except OSError as e:  # a read-only cache: it keeps what it has, the tune's result stands
+            log.warning("build cache: cannot remove %s: %s", p, e)
+            break
         freed += size
     log.info("build cache: removed %.1f MB of least recently used builds (kept %.1f MB)", freed / 2**20,
              (total - freed) / 2**20)

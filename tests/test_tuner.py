@@ -288,6 +288,19 @@ def test_the_build_cache_drops_the_least_recently_used_beyond_its_cap(hw, tmp_pa
     assert not again.cached and again.path.exists()
 
 
+def test_a_build_cache_that_refuses_removal_keeps_its_builds(hw, tmp_path, monkeypatch, caplog):
+    """As on a read-only cache (root here may remove anything, so the refusal is the OS call's)."""
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cache"))
+    b = build(GEMM, GEMM.default, hw)
+
+    def refuse(path, *a, **kw):
+        raise PermissionError(13, "Read-only file system", str(path))
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    assert prune_builds(1) == 0 and b.path.exists()
+    assert "cannot remove" in caplog.text
+
+
 def test_a_session_leaves_the_build_cache_within_its_cap(hw, runner, tmp_path, monkeypatch):
     monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cache"))
     monkeypatch.setattr(build_mod, "CACHE_MAX_BYTES", 1)
