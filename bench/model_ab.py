@@ -12,6 +12,11 @@ host's caches, cores and bandwidth) instead of this machine's, which is what a d
 built and measured here either way. It separates how a model ranks configs from how it reads a device it was not
 trained on.
 
+`--real-layers --refs FILE` judges the models on bench/real_layers.toml instead (layers no model trained on), each
+against its long-search reference from FILE (the one `compare_tuners.py --real-layers --refs FILE` built on this
+machine): the models' exact top-K without the session's steering, so a model change is judged apart from the
+noise of the sessions' own measurements.
+
 `--ensemble a,b` adds the members' product of experts: the top-K by summed log-probability. Each member is searched
 to its top-`--depth`; a config missing from a member's list scores that list's lowest log-probability, an upper
 bound, so the ensemble's list is approximate below the members' depth. Training a model per seed:
@@ -21,6 +26,7 @@ bound, so the ensemble's list is approximate below the members' depth. Training 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,6 +42,46 @@ from kernels.space import Config, config_key  # noqa: E402
 from tuner.train import data as D  # noqa: E402
 
 WITHIN = 1.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One layer to judge: its shape, the descriptor the configs are built for, the one the prompt carries, and the
+    reference config the lists are measured against."""
+    kernel: str
+    isa: str
+    workload: str
+    shape: dict
+    hw: object
+    asked_hw: object
+    ref: Config
+
+
+def data_items(path: Path, descriptor: str) -> list[Item]:
+    """The collector's held-out cases, against each case's best-known config."""
+    _, held = D.split_cases(D.load_collector(path))
+    held.sort(key=lambda c: (c.kernel, c.isa, c.workload))
+    hws: dict = {}
+    return [Item(c.kernel, c.isa, c.workload, c.shape, CT.held_out_hw(c, hws),
+                 CT.held_out_hw(c, hws) if descriptor == "here" else D.HwView(c.hw), c.ranked()[0][0])
+            for c in held]
+
+
+def real_items(refs_path: Path) -> list[Item]:
+    """bench/real_layers.toml on this machine, against the references that tuners_real built here."""
+    import tuners_real as TR
+    from hwprobe import probe
+
+    refs = json.loads(refs_path.read_text()) if refs_path.is_file() else {}
+    hw = probe(measure_bandwidth=False)
+    out = []
+    for spec, wl in TR.load_layers(TR.LAYERS, [], None, []):
+        key = TR.ref_key(hw, spec, wl)
+        if key not in refs:
+            raise SystemExit(f"no reference for {spec.name}/{wl.name} in {refs_path}: build them with "
+                             f"`python bench/compare_tuners.py --real-layers --refs {refs_path}` on this machine")
+        out.append(Item(spec.name, hw.isa, wl.name, dict(wl.shape), hw, hw, refs[key]["config"]))
+    return out
 
 
 def hit_at(ratios: list[float | None], k: int) -> bool:
@@ -68,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--descriptor", choices=("here", "data"), default="here",
                     help="the prompts' hardware descriptor: this machine's (as a device sends) or the case's recorded one")
     ap.add_argument("--data", default=str(D.DEFAULT_DATA))
+    ap.add_argument("--real-layers", action="store_true", help="judge on bench/real_layers.toml (needs --refs)")
+    ap.add_argument("--refs", type=Path, help="the real layers' references (compare_tuners.py --refs)")
     ap.add_argument("--json", help="write the per-case rows to this file")
     a = ap.parse_args(argv)
     from kernels.worker import Runner
@@ -91,30 +139,30 @@ def main(argv: list[str] | None = None) -> int:
         proposers = {name: Proposer(path=path) for name, path in models.items()}
     except ModelError as e:
         ap.error(str(e))
+    if a.real_layers and not a.refs:
+        ap.error("--real-layers needs --refs FILE (built by compare_tuners.py --real-layers --refs FILE)")
     depth = max(a.k, a.depth) if ensembles else a.k
-    cases = D.load_collector(Path(a.data))
-    _, held = D.split_cases(cases)
-    held.sort(key=lambda c: (c.kernel, c.isa, c.workload))
+    held = real_items(a.refs) if a.real_layers else data_items(Path(a.data), a.descriptor)
     held = held[:a.cases] if a.cases > 0 else held
     specs = all_specs()
     names = list(models) + ["+".join(e) for e in ensembles]
-    print(f"{len(held)} held-out cases; variants {', '.join(names)}; top-{a.k}; {a.descriptor}'s descriptor; "
+    print(f"{len(held)} held-out {'real layers' if a.real_layers else 'cases'}; variants {', '.join(names)}; "
+          f"top-{a.k}; {a.descriptor}'s descriptor; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
-    hws: dict = {}
     rows = []
     t0 = time.time()
     with Runner() as runner:
         for i, case in enumerate(held):
             spec = specs[case.kernel]
-            space = spec.space(case.shape, CT.held_out_hw(case, hws))
-            asked = space if a.descriptor == "here" else spec.space(case.shape, D.HwView(case.hw))
+            space = spec.space(case.shape, case.hw)
+            asked = spec.space(case.shape, case.asked_hw)
             ranked = {name: {config_key(p.config): (p.config, p.logprob)
                              for p in prop.propose(case.kernel, asked, depth).proposals}
                       for name, prop in proposers.items()}
             lists = {name: [cfg for cfg, _ in ranked[name].values()][:a.k] for name in models}
             for e in ensembles:
                 lists["+".join(e)] = ensemble_top([ranked[m] for m in e], a.k)
-            ratios, control, _ = CT.measure_lists(runner, spec, case.shape, case.ranked()[0][0], space.hw, lists,
+            ratios, control, _ = CT.measure_lists(runner, spec, case.shape, case.ref, space.hw, lists,
                                                   a.rounds, seed=i)
             rows.append({"kernel": case.kernel, "isa": case.isa, "workload": case.workload, "ratios": ratios,
                          "control": control, "load1": os.getloadavg()[0]})

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from edgetune.errors import BadInput
 from kernels.registry import all_specs
 from kernels.workload_files import collect_workloads, read_workloads_file
 from tuner.collect import arch_shapes, extra_shapes, kernel_shapes
@@ -67,6 +68,16 @@ def test_the_collectors_plan_never_draws_a_held_out_shape(held):
         plan = base + arch_shapes(spec, base, 40) + extra_shapes(spec, base, 40)
         assert not {shape_id(spec.name, s) for _, s, _ in plan} & held, spec.name
         assert len({shape_id(spec.name, s) for _, s, _ in plan}) == len(plan)  # no shape twice
+
+
+def test_extra_shapes_can_be_drawn_in_one_region_only():
+    spec = all_specs()["conv1d"]
+    base = kernel_shapes(spec, 22, 4)
+    strided = extra_shapes(spec, base, 12, where={"stride": 2})
+    assert len(strided) == 12 and all(s["stride"] == 2 for _, s, _ in strided)
+    assert not {shape_id("conv1d", s) for _, s, _ in strided} & {shape_id("conv1d", s) for _, s, _ in base}
+    with pytest.raises(BadInput, match="kernel gemm has no dim 'stride'"):
+        extra_shapes(all_specs()["gemm"], [], 1, where={"stride": 2})
 
 
 def test_spread_is_a_stable_prefix():

@@ -64,9 +64,9 @@ def _never_drawn(spec: KernelSpec) -> set[str]:
 
 
 def _draw_synthetic(spec: KernelSpec, rng: random.Random, n: int, seen: set[str],
-                    max_mflop: float) -> list[tuple[str, dict]]:
+                    max_mflop: float, where: dict[str, int] | None = None) -> list[tuple[str, dict]]:
     """Up to `n` new (name, shape) synthetic shapes from `rng` (the spec's own generator), none in `seen` (which
-    grows), nor a held-out real layer, nor over max_mflop."""
+    grows), nor a held-out real layer, nor over max_mflop, each matching `where` (dim -> value) if given."""
     if spec.synthetic is None:
         raise BadInput(f"kernel {spec.name} has no synthetic shape generator: set `synthetic` in its spec")
     seen |= _never_drawn(spec)
@@ -79,6 +79,8 @@ def _draw_synthetic(spec: KernelSpec, rng: random.Random, n: int, seen: set[str]
         except Exception:
             continue
         if spec.flops(s) / 1e6 > max_mflop or shape_key(s) in seen:
+            continue
+        if where and any(s[d] != v for d, v in where.items()):
             continue
         seen.add(shape_key(s))
         out.append(("synthetic." + "-".join(f"{d.name}{s[d.name]}" for d in spec.dims), s))
@@ -103,11 +105,16 @@ def kernel_shapes(spec: KernelSpec, total: int, heldout: int, seed: int = 0,
 
 
 def extra_shapes(spec: KernelSpec, base: list[tuple[str, dict, str]], n: int, seed: int = 0,
-                 max_mflop: float = 40.0) -> list[tuple[str, dict, str]]:
+                 max_mflop: float = 40.0, where: dict[str, int] | None = None) -> list[tuple[str, dict, str]]:
     """`n` more synthetic training shapes from their own seeded stream, so adding them leaves the base shapes
-    and the held-out split unchanged; none repeats a base shape."""
+    and the held-out split unchanged; none repeats a base shape. `where` (dim -> value) keeps only the shapes of
+    a region the data under-covers (e.g. stride 2), drawn from the same stream."""
+    for d in where or {}:
+        if d not in {x.name for x in spec.dims}:
+            raise BadInput(f"--extra-where {d}=...: kernel {spec.name} has no dim {d!r} "
+                           f"(its dims: {', '.join(x.name for x in spec.dims)}); select kernels with --kernel")
     rng = random.Random(f"extra-shapes-{spec.name}-{seed}")
-    drawn = _draw_synthetic(spec, rng, n, {shape_key(s) for _, s, _ in base}, max_mflop)
+    drawn = _draw_synthetic(spec, rng, n, {shape_key(s) for _, s, _ in base}, max_mflop, where)
     return [(name, s, "train") for name, s in drawn]
 
 
@@ -236,13 +243,13 @@ def _by_shape(todo: list[tuple]) -> list[tuple[tuple, list[Config]]]:
 def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_shapes: int, n_heldout: int,
             refine: int, refine_heldout: int, min_time_s: float, max_reps: int, seed: int,
             dry_run: bool = False, n_extra: int = 0, confirm_top: int = 0, confirm_rounds: int = 0,
-            n_arch: int = 0) -> None:
+            n_arch: int = 0, extra_where: dict[str, int] | None = None) -> None:
     from hwprobe import probe
 
     j = Journal(out)
     if not dry_run:  # the settings of every invocation, for the data card
-        j.append({"kind": "run", "format": FORMAT, "configs": n_configs, "shapes": n_shapes, "extra_shapes": n_extra,
-                  "arch_layers": n_arch, "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout,
+        j.append({"kind": "run", "format": FORMAT, "kernels": kernels, "isas": isas, "configs": n_configs, "shapes": n_shapes, "extra_shapes": n_extra,
+                  "extra_where": extra_where or {}, "arch_layers": n_arch, "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout,
                   "confirm_top": confirm_top, "confirm_rounds": confirm_rounds,
                   "min_time_s": min_time_s, "max_reps": max_reps, "seed": seed, "ts": round(time.time(), 3)})
     specs = [s for n, s in all_specs().items() if not kernels or n in kernels]
@@ -264,7 +271,7 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
             shapes = kernel_shapes(spec, n_shapes, n_heldout, seed)
             cfgs = sample_configs(spec, [s for _, s, _ in shapes], hw, n_configs, seed)
             shapes += arch_shapes(spec, shapes, n_arch)
-            shapes += extra_shapes(spec, shapes, n_extra, seed)
+            shapes += extra_shapes(spec, shapes, n_extra, seed, where=extra_where)
             plan = [(name, s, split, c) for name, s, split in shapes for c in cfgs if spec.space(s, hw).is_valid(c)]
             todo = [p for p in plan if (spec.name, isa, shape_key(p[1]), config_key(p[3])) not in j.done]
             total_planned += len(plan)
@@ -438,10 +445,13 @@ def data_card(path: Path) -> str:
         "`python -m tuner.collect` (tuner/collect.py; resumable: an fsynced JSONL journal, a rerun skips finished "
         "measurements). For every bundled kernel and each ISA cap x86-64-v4 / v3 / v2 (AVX-512 / AVX2 / SSE4.2 via "
         "`-march`; the descriptor's ISA and vector bits change with the cap): the kernel's bundled workloads plus "
-        f"seeded synthetic shapes spanning edge ranges ({n_shapes} per kernel: {run.get('shapes', '?')} from the "
+        f"seeded synthetic shapes spanning edge ranges (up to {n_shapes} per kernel: {run.get('shapes', '?')} from the "
         f"base stream, held-out ones included, up to {run.get('arch_layers', 0)} training layers of real "
         "architectures (quantized_models/data/arch_layers.toml, spread over each kernel's layers), plus "
-        f"{run.get('extra_shapes', 0)} training-only synthetic shapes from a second stream; synthetic shapes capped at "
+        f"{run.get('extra_shapes', 0)} training-only synthetic shapes from a second stream"
+        + "".join(f" with {d}={v}" for d, v in run.get("extra_where", {}).items())
+        + f" (settings of the last run{', kernels ' + ', '.join(run['kernels']) if run.get('kernels') else ''}); "
+        "synthetic shapes capped at "
         "40 MFLOP; no shape of the held-out real layers of bench/real_layers.toml); the base shapes' defaults plus a "
         "seeded sample of "
         f"{run.get('configs', '?')} configs valid for at least one base shape, each compiled once per ISA and "
@@ -519,6 +529,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--extra-shapes", type=int, default=22,
                     help="more synthetic training shapes per kernel (their own seeded stream: the base shapes and "
                          "the held-out split do not change)")
+    ap.add_argument("--extra-where", action="append", default=[], metavar="DIM=VALUE",
+                    help="only extra shapes with this dim value, e.g. stride=2 (repeatable)")
     ap.add_argument("--arch-layers", type=int, default=30,
                     help="training shapes per kernel from real architectures (quantized_models/data/arch_layers.toml)")
     ap.add_argument("--heldout", type=int, default=4, help="held-out shapes per kernel")
@@ -535,6 +547,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--card", metavar="DATA", help="print the data card of a journal (.jsonl or .jsonl.gz) and exit")
 
 
+def _parse_where(items: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        dim, _, value = item.partition("=")
+        if not dim or not value.strip().lstrip("-").isdigit():
+            raise BadInput(f"--extra-where {item!r}: expected DIM=INTEGER, e.g. --extra-where stride=2")
+        out[dim.strip()] = int(value)
+    return out
+
+
 def cmd_collect(a: argparse.Namespace) -> int:
     if a.card:
         print(data_card(Path(a.card)))
@@ -543,7 +565,7 @@ def cmd_collect(a: argparse.Namespace) -> int:
         get_spec(k)  # BadInput names the bundled kernels
     collect(Path(a.out), a.kernel or [], a.isa or list(ISAS), a.configs, a.shapes, a.heldout, a.refine,
             a.refine_heldout, a.min_time, a.max_reps, a.seed, a.dry_run, a.extra_shapes,
-            a.confirm_top, a.confirm_rounds, a.arch_layers)
+            a.confirm_top, a.confirm_rounds, a.arch_layers, _parse_where(a.extra_where))
     return 0
 
 

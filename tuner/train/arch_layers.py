@@ -210,6 +210,29 @@ def yolov3_tiny(res: int) -> Iterator[Layer]:
     yield _pw(f"{tag}.head2", hw * 2, 256, 255, src)
 
 
+def face_detector_slim(h: int, w: int) -> Iterator[Layer]:
+    """Ultra-Light-Fast-Generic-Face-Detector-1MB, version-slim (Linzaer 2019): a 3x3 s2 stem and a MobileNetV1-style
+    depthwise-separable backbone of base width 16 on a 4:3 frame (320x240 or 640x480)."""
+    tag, src = f"face_slim_{w}x{h}", f"Ultra-Light-Fast face detector, version-slim, at {w}x{h}"
+    c = 16
+    yield _c3(f"{tag}.stem", h, w, 3, c, 2, src)
+    h, w = _out(h, 2), _out(w, 2)
+    plan = [(32, 1), (32, 2), (32, 1), (64, 2), (64, 1), (64, 1), (64, 1), (128, 2), (128, 1), (128, 1), (256, 2),
+            (256, 1)]
+    for i, (out, s) in enumerate(plan, 1):
+        yield ("dwconv_3x3", f"{tag}.b{i}.dw", {"H": h, "W": w, "C": c, "stride": s}, src)
+        h, w = _out(h, s), _out(w, s)
+        yield ("gemm", f"{tag}.b{i}.pw", {"M": h * w, "N": out, "K": c}, src)
+        c = out
+
+
+def enet_initial() -> Iterator[Layer]:
+    """Paszke et al. 2016, ENet: the initial block's 3x3 s2 conv (3 -> 13, concatenated with a max-pool) at the
+    CamVid (360x480) and Cityscapes-half (512x1024 is over the cap; 256x512) input sizes."""
+    for h, w in ((360, 480), (256, 512)):
+        yield _c3(f"enet_{w}x{h}.initial", h, w, 3, 13, 2, f"ENet initial block at {w}x{h} (Paszke et al. 2016)")
+
+
 # ---- speech ------------------------------------------------------------------------------------------------
 
 def hello_edge() -> Iterator[Layer]:
@@ -237,6 +260,24 @@ def whisper_tiny() -> Iterator[Layer]:
     yield ("gemm", "whisper_tiny.enc.fc1", {"M": 50, "N": 1536, "K": 384}, src)
     yield ("gemm", "whisper_tiny.enc.fc2", {"M": 50, "N": 384, "K": 1536}, src)
     yield _c1("whisper_tiny.conv1_1s", 100, 80, 384, 3, src)
+    for secs in (1, 2):  # the stride-2 conv on shorter chunks than the bundled 3 s one
+        yield _c1(f"whisper_tiny.conv2_{secs}s", 100 * secs, 384, 384, 3, src, 2)
+
+
+def strided_speech_convs() -> Iterator[Layer]:
+    """Stride-2 1-D convs that downsample speech features: Moonshine's third encoder conv (Jeffries et al. 2024;
+    tiny d=288, base d=416; 1 s at 16 kHz is 83 steps there), the 1-D front end of Jasper / Wav2Letter+ (64 features
+    -> 256, k11, stride 2) and ESPnet's Conv1dSubsampling2 (80 mels -> d, k3, stride 2, then d -> d, k3)."""
+    for size, d in (("tiny", 288), ("base", 416)):
+        yield _c1(f"moonshine_{size}.conv3", 83, 2 * d, d, 3,
+                  f"Moonshine {size} (Jeffries et al. 2024) encoder conv3 {2 * d} -> {d}, k3, stride 2, 1 s", 2)
+    for secs in (1, 2):
+        yield _c1(f"jasper.prologue_{secs}s", 100 * secs, 64, 256, 11,
+                  f"Jasper / Wav2Letter+ (Li et al. 2019) prologue 64 -> 256, k11, stride 2, {secs} s of 10 ms", 2)
+    for d in (144, 256):
+        src = f"ESPnet Conv1dSubsampling2 to d={d} (80 mels, 1 s of 10 ms frames)"
+        yield _c1(f"espnet.conv1d_subsampling2_d{d}.conv1", 100, 80, d, 3, src, 2)
+        yield _c1(f"espnet.conv1d_subsampling2_d{d}.conv2", 50, d, d, 3, src)
 
 
 def conformer_s() -> Iterator[Layer]:
@@ -324,8 +365,9 @@ FAMILIES = (
     lambda: mobilenet_v1(0.25, 96), lambda: mobilenet_v2(1.0, 224), lambda: mobilenet_v2(0.35, 96),
     lambda: mobilenet_v2(0.5, 160), lambda: shufflenet_v2("0.5"), lambda: shufflenet_v2("1.0"),
     squeezenet_11, lambda: resnet18(160), lambda: resnet18(128), densenet121, ghostnet, mnasnet_b1,
-    lambda: yolov3_tiny(256), hello_edge, whisper_tiny, conformer_s, matchboxnet, raw_waveform_cnns, tts_convs,
-    speech_grus,
+    lambda: yolov3_tiny(256), lambda: face_detector_slim(240, 320), lambda: face_detector_slim(480, 640),
+    enet_initial, hello_edge, whisper_tiny, strided_speech_convs, conformer_s, matchboxnet, raw_waveform_cnns,
+    tts_convs, speech_grus,
     logmel_front_ends,
 )
 
