@@ -171,6 +171,19 @@ def test_each_always_hedged_knob_keeps_its_own_slot(hw):
     assert len({config_key(c) for c in both}) == DEFAULT_K
 
 
+@pytest.mark.parametrize("kernel,workload", [("gru", "rnnoise.gru"), ("conv2d_3x3", "mobilenetv2.stem")])
+def test_first_batch_holds_two_vector_widths_and_gru_splits_by_default(kernel, workload, hw):
+    """A sure model can be 2x wrong on the vector width or gru's parallel split: the default first batch holds two
+    values of each knob of ALWAYS_HEDGE that the space has, and of the thread count where two threads are valid."""
+    spec = get_spec(kernel)
+    space = spec.space(spec.workload(workload).shape, hw)
+    first = LLMStrategy(space, 0, kernel=spec).ask(DEFAULT_K)
+    assert len({config_key(c) for c in first}) == len(first) == DEFAULT_K
+    for knob in ("vec", "par"):
+        if knob in space.names:
+            assert len({c[knob] for c in first}) >= 2, (knob, first)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "random-bytes", "missing"])
 def test_damaged_model_falls_back_to_anneal_and_tuning_completes(damage, tmp_path, monkeypatch, caplog, hw, runner):
     bad = tmp_path / "tuner.Q8_0.gguf"

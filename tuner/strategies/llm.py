@@ -4,7 +4,8 @@
    knobs whose probability mass is split (vector width, tile shape: whichever the model doubts for this prompt)
    each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the thread count
    is always hedged, since what it is worth depends on the device's other load (a top-5 that all said threads=2 on
-   a host where two threads lose was issue #24's worst case).
+   a host where two threads lose was issue #24's worst case), and so are the vector width and gru's parallel
+   split, where a model can be sure and wrong by 2x (ALWAYS_HEDGE).
 2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
    relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
    a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
@@ -42,14 +43,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STRATEGY_VERSION = "4"
+STRATEGY_VERSION = "5"
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
 UNSURE = 0.85  # a knob whose leading value holds under this share of the top configs' mass is hedged
-# knobs hedged however sure the model is: what the threads knob is worth depends on what else runs on the device
-# (a 2-thread kernel on a busy 2-core device measured 2-30x slower than on an idle one), which no prompt can say
-ALWAYS_HEDGE = ("threads",)
+# knobs hedged however sure the model is (each where the space has it): what the threads knob is worth depends on
+# what else runs on the device (a 2-thread kernel on a busy 2-core device measured 2-30x slower than on an idle one),
+# which no prompt can say; vector width and gru's parallel split are where a model was confidently wrong by 2x on
+# held-out real layers (a Cout-16 conv: all five vec=4, best vec=16; an RNNoise GRU: all five par=units, best gemm)
+ALWAYS_HEDGE = ("threads", "vec", "par")
 HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top-12 costs 14 ms CPU p50, 20 p95 on
 #                 the 35 held-out layers at load ~10 (top-16: 15 / 24; top-5: 10 / 17); a session's calls with
 #                 top-15 first: CPU p95 19-21 ms at load 1-2
