@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if a.real_layers and not a.refs:
         ap.error("--real-layers needs --refs FILE (built by compare_tuners.py --real-layers --refs FILE)")
+    if a.real_layers and a.descriptor != "here":
+        ap.error("--real-layers prompts with this machine's descriptor: the layers have no recorded one")
     depth = max(a.k, a.depth) if ensembles else a.k
     held = real_items(a.refs) if a.real_layers else data_items(Path(a.data), a.descriptor)
     held = held[:a.cases] if a.cases > 0 else held

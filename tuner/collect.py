@@ -248,10 +248,11 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
 
     j = Journal(out)
     if not dry_run:  # the settings of every invocation, for the data card
-        j.append({"kind": "run", "format": FORMAT, "kernels": kernels, "isas": isas, "configs": n_configs, "shapes": n_shapes, "extra_shapes": n_extra,
-                  "extra_where": extra_where or {}, "arch_layers": n_arch, "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout,
-                  "confirm_top": confirm_top, "confirm_rounds": confirm_rounds,
-                  "min_time_s": min_time_s, "max_reps": max_reps, "seed": seed, "ts": round(time.time(), 3)})
+        j.append({"kind": "run", "format": FORMAT, "kernels": kernels, "isas": isas, "configs": n_configs,
+                  "shapes": n_shapes, "extra_shapes": n_extra, "extra_where": extra_where or {}, "arch_layers": n_arch,
+                  "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout, "confirm_top": confirm_top,
+                  "confirm_rounds": confirm_rounds, "min_time_s": min_time_s, "max_reps": max_reps, "seed": seed,
+                  "ts": round(time.time(), 3)})
     specs = [s for n, s in all_specs().items() if not kernels or n in kernels]
     bw = None
     for r in j.rows:
