@@ -122,6 +122,52 @@ def test_changed_leaders_are_confirmed_again_side_by_side(tmp_path):
     assert trained == 5  # 3 bundled, 1 synthetic and 1 real-architecture training shape
 
 
+def test_sweep_measures_every_joint_setting_from_each_training_case_best(tmp_path):
+    """`--sweep unroll,layout`: each training case gets every valid (unroll, layout) of its fastest config before
+    the sweep, the other knobs held, before its leaders are confirmed; held-out cases get none; a rerun adds
+    nothing. A group no selected kernel has is refused with the kernels' knobs named."""
+    from hwprobe import probe
+    from kernels.registry import get_spec
+    from tuner.collect import sweep_configs
+
+    out = tmp_path / "runs.jsonl"
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-m", "tuner.collect", "--out", str(out), *ARGS, "--sweep", "unroll,layout"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        if _ == 0:
+            rows = _measurements(out)
+    assert _measurements(out) == rows  # the rerun had nothing left to measure
+    spec, hw = get_spec("gru"), probe(isa_cap="x86-64-v2", measure_bandwidth=False)
+    swept = 0
+    for sk in {r["shape_key"] for r in rows}:
+        case = [r for r in rows if r["shape_key"] == sk]
+        sweep = [r for r in case if r["phase"] == "sweep"]
+        if case[0]["split"] == "heldout":
+            assert not sweep
+            continue
+        base = min((r for r in case if r["ok"] and r["phase"] not in ("sweep", "confirm")), key=lambda r: r["ms"])
+        want = {config_key(c) for c in sweep_configs(spec.space(case[0]["shape"], hw), base["config"],
+                                                      [("unroll", "layout")])}
+        measured = {r["config_key"] for r in case if r["phase"] != "confirm"}
+        assert want and want <= measured, sk  # every joint setting, whether sampled, refined or swept
+        assert {r["config_key"] for r in sweep} <= want
+        assert all({k: v for k, v in r["config"].items() if k not in ("unroll", "layout")}
+                   == {k: v for k, v in base["config"].items() if k not in ("unroll", "layout")} for r in sweep)
+        assert all(case.index(r) < case.index(c) for r in sweep for c in case if c["phase"] == "confirm")
+        swept += bool(sweep)
+    assert swept >= 3
+    assert [r for r in read_rows(out) if r.get("kind") == "run"][-1]["sweep"] == [["unroll", "layout"]]
+    card = data_card(out)
+    n_sweep = sum(r["phase"] == "sweep" for r in rows)
+    assert "`--sweep` groups (unroll,layout)" in card and f"| {n_sweep} | " in card.split("| confirm |")[1]
+
+    bad = subprocess.run([sys.executable, "-m", "tuner.collect", "--out", str(tmp_path / "x.jsonl"), *ARGS,
+                          "--sweep", "mr,nv"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--sweep 'mr,nv'" in bad.stderr and "gru vec,ut" in bad.stderr
+    assert not (tmp_path / "x.jsonl").exists()
+
+
 def test_training_ranks_confirmed_leaders_by_their_rounds_alone():
     """The confirmation rounds ran on a slower host: pooled with the first pass, an unconfirmed config's single
     fast first measurement would outrank every confirmed leader."""

@@ -13,7 +13,9 @@ For every bundled kernel and every ISA cap (x86-64-v2/v3/v4 by default) it
 4. for every case, refines the best sampled config with a short annealing run: `--refine` evals for a
    training case, so its top configs (the model's training targets) are near-optimal rather than the best of a
    random sample, and `--refine-heldout` evals for a held-out case, so it has a strong best-known reference;
-5. measures each training case's `--confirm-top` fastest configs `--confirm-rounds` more times, side by side in a
+5. with `--sweep KNOBS` (e.g. `mr,nv,vec`, the register tile), measures every valid joint setting of those knobs
+   from each training case's fastest config, the other knobs held (`sweep_cases`);
+6. measures each training case's `--confirm-top` fastest configs `--confirm-rounds` more times, side by side in a
    shuffled order per round, so the ranking the model learns is not the noise of single measurements. When a later
    run changes a case's leaders (a grown sample or refinement found faster configs), all of them are confirmed
    again side by side, and training ranks the case by that latest confirmation.
@@ -243,13 +245,15 @@ def _by_shape(todo: list[tuple]) -> list[tuple[tuple, list[Config]]]:
 def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_shapes: int, n_heldout: int,
             refine: int, refine_heldout: int, min_time_s: float, max_reps: int, seed: int,
             dry_run: bool = False, n_extra: int = 0, confirm_top: int = 0, confirm_rounds: int = 0,
-            n_arch: int = 0, extra_where: dict[str, int] | None = None) -> None:
+            n_arch: int = 0, extra_where: dict[str, int] | None = None,
+            sweep: list[tuple[str, ...]] | None = None) -> None:
     from hwprobe import probe
 
     j = Journal(out)
     if not dry_run:  # the settings of every invocation, for the data card
         j.append({"kind": "run", "format": FORMAT, "kernels": kernels, "isas": isas, "configs": n_configs,
                   "shapes": n_shapes, "extra_shapes": n_extra, "extra_where": extra_where or {}, "arch_layers": n_arch,
+                  "sweep": [list(g) for g in sweep or []],
                   "heldout": n_heldout, "refine": refine, "refine_heldout": refine_heldout, "confirm_top": confirm_top,
                   "confirm_rounds": confirm_rounds, "min_time_s": min_time_s, "max_reps": max_reps, "seed": seed,
                   "ts": round(time.time(), 3)})
@@ -304,6 +308,8 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
         return
     if refine > 0 or refine_heldout > 0:
         refine_cases(j, specs, isas, {"train": refine, "heldout": refine_heldout}, min_time_s, max_reps, seed)
+    if sweep:
+        sweep_cases(j, specs, isas, sweep, min_time_s, max_reps)
     if confirm_top > 0 and confirm_rounds > 0:
         confirm_leaders(j, specs, isas, confirm_top, confirm_rounds, min_time_s, max_reps, seed)
     print(f"done in {time.time() - t_start:.0f}s; {sum(1 for r in j.rows if r.get('kind') == 'm')} measurements")
@@ -349,6 +355,66 @@ def refine_cases(j: Journal, specs: list[KernelSpec], isas: list[str], evals: di
                             n += 1
                     print(f"[{time.strftime('%H:%M:%S')}] refine {spec.name} {isa} {name} ({split}): {n} evals in "
                           f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def sweep_groups(spec: KernelSpec, groups: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The groups of `--sweep` knobs that `spec` has all of."""
+    return [g for g in groups if set(g) <= {p.name for p in spec.params}]
+
+
+def sweep_cases(j: Journal, specs: list[KernelSpec], isas: list[str], groups: list[tuple[str, ...]],
+                min_time_s: float, max_reps: int) -> None:
+    """From each training case's fastest config before sweeping, measure every valid joint setting of each group of
+    knobs, the other knobs held (phase "sweep").
+
+    Why: the sampled configs are shared by every shape, so each register tile (mr x nv x vec) was measured once per
+    case, with whatever other knobs its sampled config drew, and a one-knob refinement rarely moves two tile knobs
+    at once. A tile that wins only beside the case's best blocking was thus almost never measured there (conv1d on
+    x86-64-v4: mr=5 nv=4 vec=16 in 1 of 52 training cases, while it is the best tile of 3 of 6 held-out real
+    conv1d layers), and the model cannot propose what its data never ranked. The base is the fastest non-sweep,
+    non-confirm measurement, so a resumed run sweeps from the same config and skips what it measured."""
+    from hwprobe import probe
+
+    for isa in isas:
+        hw = probe(isa_cap=isa, measure_bandwidth=False)
+        for spec in specs:
+            mine = sweep_groups(spec, groups)
+            if not mine:
+                continue
+            train = {sk: rows for sk, rows in j.cases(spec.name, isa).items() if rows[0]["split"] == "train"}
+            with Runner(recycle_after=10**9) as runner:
+                for sk, rows in train.items():
+                    base = min((r for r in rows if r["ok"] and r["phase"] not in ("sweep", "confirm")),
+                               key=lambda r: r["ms"], default=None)
+                    if base is None:
+                        continue
+                    shape, name = rows[0]["shape"], rows[0]["workload"]
+                    todo = [c for c in sweep_configs(spec.space(shape, hw), base["config"], mine)
+                            if (spec.name, isa, sk, config_key(c)) not in j.done]
+                    if not todo:
+                        continue
+                    t = time.time()
+
+                    def record(_: int, c: Config, m: Measurement, name=name, shape=shape) -> None:
+                        j.append(_measure_row(spec, isa, name, shape, "train", c, m, "sweep", None))
+
+                    _evaluator(spec, shape, hw, runner, min_time_s, max_reps).evaluate(todo, record=record)
+                    print(f"[{time.strftime('%H:%M:%S')}] sweep {spec.name} {isa} {name}: {len(todo)} configs in "
+                          f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def sweep_configs(space: Any, base: Config, groups: list[tuple[str, ...]]) -> list[Config]:
+    """`base` with every joint setting of each group's knobs that the space allows (`base` itself excluded)."""
+    import itertools
+
+    values = {p.name: p.values for p in space.params}
+    out: dict[str, Config] = {}
+    for g in groups:
+        for combo in itertools.product(*(values[n] for n in g)):
+            c = dict(base) | dict(zip(g, combo))
+            if c != base and space.is_valid(c):
+                out.setdefault(config_key(c), c)
+    return list(out.values())
 
 
 def leaders_id(keys: Iterable[str]) -> str:
@@ -417,12 +483,13 @@ def data_card(path: Path) -> str:
     by: dict[tuple, dict] = {}
     for r in ms:
         d = by.setdefault((r["kernel"], r["isa"]), {"rows": 0, "ok": 0, "shapes": set(), "held": set(), "cfgs": set(),
-                                                   "refine": 0, "confirm": 0})
+                                                   "refine": 0, "sweep": 0, "confirm": 0})
         d["rows"] += 1
         d["ok"] += r["ok"]
         d["shapes"].add(r["shape_key"])
         d["cfgs"].add(r["config_key"])
         d["refine"] += r["phase"] == "refine"
+        d["sweep"] += r["phase"] == "sweep"
         d["confirm"] += r["phase"] == "confirm"
         if r["split"] == "heldout":
             d["held"].add(r["shape_key"])
@@ -433,6 +500,7 @@ def data_card(path: Path) -> str:
             fails[why] = fails.get(why, 0) + 1
     h = hws[0] if hws else {}
     run = ([r for r in rows if r.get("kind") == "run"] or [{}])[-1]  # the settings of the last invocation
+    sweeps = list({tuple(g): None for r in rows if r.get("kind") == "run" for g in r.get("sweep", [])})
     q = lambda p: loads[min(len(loads) - 1, int(p * len(loads)))] if loads else float("nan")  # noqa: E731
     n_shapes = max((len(d["shapes"]) for d in by.values()), default=0)
     n_held = max((len(d["held"]) for d in by.values()), default=0)
@@ -463,7 +531,12 @@ def data_card(path: Path) -> str:
         "from its best sampled config (`phase=refine`, one-knob moves, 2 configs compiled per step): "
         f"{run.get('refine', '?')} evals for a training case, so its fastest configs, the model's training "
         "targets, come from a local search and not only from a random sample; "
-        f"{run.get('refine_heldout', '?')} evals for a held-out case. Last, each training case's "
+        f"{run.get('refine_heldout', '?')} evals for a held-out case. "
+        + (f"Where a run named `--sweep` groups ({'; '.join(','.join(g) for g in sweeps)}), each training case got "
+           "every valid joint setting of a group's knobs from its fastest config so far, the others held "
+           "(`phase=sweep`): the shared sample measures each register tile beside one random blocking only. "
+           if sweeps else "")
+        + "Last, each training case's "
         f"{run.get('confirm_top', 0)} fastest configs were measured {run.get('confirm_rounds', 0)} more times, "
         "in a shuffled order per round (`phase=confirm`); training ranks a case's leaders by these side-by-side "
         "rounds alone, since single measurements hours apart on this shared host disagree by more than 5% about a "
@@ -487,12 +560,12 @@ def data_card(path: Path) -> str:
         "## Counts", "",
         f"{len(ms)} measurements ({len(ok)} ok, {len(ms) - len(ok)} failed"
         + "".join(f"; {k} {v}" for k, v in sorted(fails.items(), key=lambda kv: -kv[1])) + ").", "",
-        "| kernel | ISA | shapes | held-out | configs | rows | ok | refine | confirm |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| kernel | ISA | shapes | held-out | configs | rows | ok | refine | sweep | confirm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (k, isa), d in sorted(by.items()):
         lines.append(f"| {k} | {isa} | {len(d['shapes'])} | {len(d['held'])} | {len(d['cfgs'])} | {d['rows']} | "
-                     f"{d['ok']} | {d['refine']} | {d['confirm']} |")
+                     f"{d['ok']} | {d['refine']} | {d['sweep']} | {d['confirm']} |")
     cases = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms}
     lines += ["", f"{len(cases)} cases (kernel x ISA x shape): {len(cases) - len(held)} train, {len(held)} held-out.",
               f"Median CV of ok measurements: {st.median(r['cv'] for r in ok if r['cv'] is not None):.3f}.", ""]
@@ -538,6 +611,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--refine", type=int, default=10, help="annealing evals per training case (training targets)")
     ap.add_argument("--refine-heldout", type=int, default=30,
                     help="annealing evals per held-out case (its best-known reference)")
+    ap.add_argument("--sweep", action="append", default=[], metavar="KNOB,KNOB",
+                    help="from each training case's best, measure every valid joint setting of these knobs, e.g. "
+                         "mr,nv,vec (repeatable; a kernel without all of a group's knobs skips it)")
     ap.add_argument("--confirm-top", type=int, default=12,
                     help="leaders measured again per training case (at least the training recipe's --top, 10)")
     ap.add_argument("--confirm-rounds", type=int, default=4, help="extra measurements of each leader")
@@ -558,6 +634,20 @@ def _parse_where(items: list[str]) -> dict[str, int]:
     return out
 
 
+def _parse_sweep(items: list[str], kernels: list[str]) -> list[tuple[str, ...]]:
+    """--sweep groups, each a tuple of knob names that at least one selected kernel has all of."""
+    specs = [s for n, s in all_specs().items() if not kernels or n in kernels]
+    out = []
+    for item in items:
+        g = tuple(n.strip() for n in item.split(",") if n.strip())
+        if not g or not any(sweep_groups(s, [g]) for s in specs):
+            raise BadInput(f"--sweep {item!r}: no selected kernel has all of these knobs; name knobs of one kernel, "
+                           f"e.g. --sweep mr,nv,vec (knobs: " + "; ".join(
+                               f"{s.name} {','.join(p.name for p in s.params)}" for s in specs) + ")")
+        out.append(g)
+    return out
+
+
 def cmd_collect(a: argparse.Namespace) -> int:
     if a.card:
         print(data_card(Path(a.card)))
@@ -566,7 +656,8 @@ def cmd_collect(a: argparse.Namespace) -> int:
         get_spec(k)  # BadInput names the bundled kernels
     collect(Path(a.out), a.kernel or [], a.isa or list(ISAS), a.configs, a.shapes, a.heldout, a.refine,
             a.refine_heldout, a.min_time, a.max_reps, a.seed, a.dry_run, a.extra_shapes,
-            a.confirm_top, a.confirm_rounds, a.arch_layers, _parse_where(a.extra_where))
+            a.confirm_top, a.confirm_rounds, a.arch_layers, _parse_where(a.extra_where),
+            _parse_sweep(a.sweep, a.kernel or []))
     return 0
 
 

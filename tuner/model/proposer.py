@@ -13,6 +13,12 @@ KV reuse: the prompt is decoded once into sequence 0. Expanding a node copies it
 candidate value is scored from the node's logits, and multi-token values get their remaining tokens decoded in
 the same batch, in throw-away sequences that share the node's tokens. Several frontier nodes are expanded per
 `llama_decode`, which keeps the search exact (complete configs are still only emitted from the top of the heap).
+
+A model unsure of a shape spreads its mass over many partial configs, and the exact search can spend its
+`max_expansions` without completing k of them (a retrained model, on a small gemm, completed 0-1 of 5 in 600
+expansions). The search then dives: the deepest open nodes first, the most probable among them (a beam of up to
+`expand_per_decode` nodes a level, one decode each), for at most `max_expansions` more or what k configs need.
+Those configs follow the exact ones, in score order, and the result says it is not exact.
 """
 
 from __future__ import annotations
@@ -137,6 +143,7 @@ class ProposeResult:
     decodes: int
     prompt: str
     cpu_ms: float = 0.0  # this thread's CPU time (llama.cpp runs in it, n_threads=1): the latency on an idle core
+    exact: bool = True  # False: the exact search hit its cap and the last proposals come from dives
 
 
 class Proposer:
@@ -200,7 +207,20 @@ class Proposer:
         expansions = decodes = 0
         nf = len(fields)
         names = self._names = [n for n, _ in fields]
-        while heap and len(out) < k and expansions < self.max_expansions:
+        self._key = lambda neg, depth: neg  # exact: best-first by score alone
+        per = max(1, min(self.expand_per_decode, (m.n_seq_max - 1) // 3))  # room for nodes, parents, temps
+        exact, n_exact, stop = True, 0, self.max_expansions
+        while heap and len(out) < k:
+            if expansions >= stop:
+                if not exact:
+                    break
+                # dive: deepest first, then by score (a beam of `per` nodes a level, a decode each), for as many
+                # expansions again, or as many as beams enough for k complete configs take
+                dive = max(self.max_expansions, per * nf * -(-(k - len(out)) // per))
+                exact, n_exact, stop = False, len(out), expansions + dive
+                self._key = lambda neg, depth: neg - 1e6 * depth
+                heap = [(self._key(n.neg, len(n.values)), t, n) for _, t, n in heap]
+                heapq.heapify(heap)
             if len(heap[0][2].values) == nf:  # a complete config at the top of the heap: exact next-best
                 node = heapq.heappop(heap)[2]
                 cfg = dict(zip(names, node.values))
@@ -211,7 +231,6 @@ class Proposer:
                     out.append(Proposal(cfg, -node.neg))
                 continue
             batch = []
-            per = max(1, min(self.expand_per_decode, (m.n_seq_max - 1) // 3))  # room for nodes, parents, temps
             while heap and len(batch) < per and len(heap[0][2].values) < nf:
                 node = heapq.heappop(heap)[2]
                 cands = candidates(space, fields, names, node, extra)
@@ -226,18 +245,21 @@ class Proposer:
                                   node.lp, cands[0][2])
                     if node.seq is not None and self._owners.get(node.seq) is node:
                         self._owners[node.seq] = child
-                    heapq.heappush(heap, (node.neg, next(tie), child))
+                    heapq.heappush(heap, (self._key(node.neg, len(child.values)), next(tie), child))
                 elif cands:  # one admissible value has probability 1 after renormalisation: nothing to decode
                     v, toks, left = cands[0]
                     parent, own = (node.parent, node.own + len(toks)) if node.lp is None else (node, len(toks))
-                    heapq.heappush(heap, (node.neg, next(tie), _Node(node.neg, node.values + (v,), node.tokens + toks,
-                                                                     own, parent, pending=left)))
+                    heapq.heappush(heap, (self._key(node.neg, len(node.values) + 1), next(tie),
+                                          _Node(node.neg, node.values + (v,), node.tokens + toks, own, parent,
+                                                pending=left)))
             expansions += len(batch)
             if batch:
                 decodes += self._expand(batch, heap, tie, n_prompt)
         m.clear()
+        if not exact:  # the dives' configs, in score order after the exact ones (which outscore every open node)
+            out[n_exact:] = sorted(out[n_exact:], key=lambda p: -p.logprob)
         return ProposeResult(out, (time.perf_counter() - t0) * 1e3, expansions, decodes, prompt,
-                             (time.thread_time() - c0) * 1e3)
+                             (time.thread_time() - c0) * 1e3, exact)
 
     def _expand(self, batch: list[tuple[_Node, list]], heap: list, tie, n_prompt: int) -> int:
         """Materialise each node's KV + logits, score every candidate value of its next field, push children."""
@@ -295,8 +317,8 @@ class Proposer:
             field_bias = self._bias.get(self._names[len(node.values)], {}) if self._bias else {}
             for (v, toks, left), x in zip(cands, sc):
                 neg = base - x - field_bias.get(v, 0.0)
-                heapq.heappush(heap, (neg, next(tie), _Node(neg, node.values + (v,), node.tokens + toks, len(toks),
-                                                             node, pending=left)))
+                heapq.heappush(heap, (self._key(neg, len(node.values) + 1), next(tie),
+                                      _Node(neg, node.values + (v,), node.tokens + toks, len(toks), node, pending=left)))
         return 1 if b.tokens else 0
 
     def _get(self) -> int:
