@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -42,7 +43,7 @@ from typing import Any, Iterable, Iterator
 from edgetune.errors import BadInput
 from kernels.measure import Measurement
 from kernels.registry import all_specs, get_spec
-from kernels.space import Config, config_key
+from kernels.space import Config, SearchSpace, config_key
 from kernels.spec import KernelSpec
 from kernels.worker import Runner
 from tuner.evaluate import Measured
@@ -403,10 +404,8 @@ def sweep_cases(j: Journal, specs: list[KernelSpec], isas: list[str], groups: li
                           f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
 
 
-def sweep_configs(space: Any, base: Config, groups: list[tuple[str, ...]]) -> list[Config]:
+def sweep_configs(space: SearchSpace, base: Config, groups: list[tuple[str, ...]]) -> list[Config]:
     """`base` with every joint setting of each group's knobs that the space allows (`base` itself excluded)."""
-    import itertools
-
     values = {p.name: p.values for p in space.params}
     out: dict[str, Config] = {}
     for g in groups:

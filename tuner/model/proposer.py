@@ -207,7 +207,7 @@ class Proposer:
         expansions = decodes = 0
         nf = len(fields)
         names = self._names = [n for n, _ in fields]
-        self._key = lambda neg, depth: neg  # exact: best-first by score alone
+        self._diving = False  # exact: best-first by score alone
         per = max(1, min(self.expand_per_decode, (m.n_seq_max - 1) // 3))  # room for nodes, parents, temps
         exact, n_exact, stop = True, 0, self.max_expansions
         while heap and len(out) < k:
@@ -218,8 +218,8 @@ class Proposer:
                 # expansions again, or as many as beams enough for k complete configs take
                 dive = max(self.max_expansions, per * nf * -(-(k - len(out)) // per))
                 exact, n_exact, stop = False, len(out), expansions + dive
-                self._key = lambda neg, depth: neg - 1e6 * depth
-                heap = [(self._key(n.neg, len(n.values)), t, n) for _, t, n in heap]
+                self._diving = True
+                heap = [(self._rank(n), t, n) for _, t, n in heap]
                 heapq.heapify(heap)
             if len(heap[0][2].values) == nf:  # a complete config at the top of the heap: exact next-best
                 node = heapq.heappop(heap)[2]
@@ -245,13 +245,12 @@ class Proposer:
                                   node.lp, cands[0][2])
                     if node.seq is not None and self._owners.get(node.seq) is node:
                         self._owners[node.seq] = child
-                    heapq.heappush(heap, (self._key(node.neg, len(child.values)), next(tie), child))
+                    self._push(heap, tie, child)
                 elif cands:  # one admissible value has probability 1 after renormalisation: nothing to decode
                     v, toks, left = cands[0]
                     parent, own = (node.parent, node.own + len(toks)) if node.lp is None else (node, len(toks))
-                    heapq.heappush(heap, (self._key(node.neg, len(node.values) + 1), next(tie),
-                                          _Node(node.neg, node.values + (v,), node.tokens + toks, own, parent,
-                                                pending=left)))
+                    self._push(heap, tie, _Node(node.neg, node.values + (v,), node.tokens + toks, own, parent,
+                                                pending=left))
             expansions += len(batch)
             if batch:
                 decodes += self._expand(batch, heap, tie, n_prompt)
@@ -317,9 +316,15 @@ class Proposer:
             field_bias = self._bias.get(self._names[len(node.values)], {}) if self._bias else {}
             for (v, toks, left), x in zip(cands, sc):
                 neg = base - x - field_bias.get(v, 0.0)
-                heapq.heappush(heap, (self._key(neg, len(node.values) + 1), next(tie),
-                                      _Node(neg, node.values + (v,), node.tokens + toks, len(toks), node, pending=left)))
+                self._push(heap, tie, _Node(neg, node.values + (v,), node.tokens + toks, len(toks), node, pending=left))
         return 1 if b.tokens else 0
+
+    def _rank(self, node: _Node) -> float:
+        """A node's heap key: its score (minus log-probability), or once diving, deeper nodes first."""
+        return node.neg - 1e6 * len(node.values) if self._diving else node.neg
+
+    def _push(self, heap: list, tie, node: _Node) -> None:
+        heapq.heappush(heap, (self._rank(node), next(tie), node))
 
     def _get(self) -> int:
         """A free KV sequence; when none is left, recycle the one of the worst-scoring materialised node that this
