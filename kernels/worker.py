@@ -29,6 +29,9 @@ from kernels.spec import KernelSpec
 DEFAULT_TIMEOUT_S = 30.0
 INNER_MIN_MS = 0.05  # a rep lasts at least this long, so clock overhead stays under ~1%
 RECYCLE_AFTER = 16  # distinct libraries loaded before a fresh worker (ctypes never unloads one, nor its pool)
+# The worker's numpy references run on one BLAS thread. OpenBLAS's idle threads busy-wait ~0.1 s after each call,
+# and a variant timed in that window shares its cores with them: on 2 cores, threads=2 variants read ~2x slow.
+ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class Runner:
@@ -52,7 +55,7 @@ class Runner:
         self.close()
 
     def _start(self) -> subprocess.Popen:
-        env = dict(os.environ)
+        env = {**os.environ, **ONE_BLAS_THREAD}
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._proc = subprocess.Popen(

@@ -16,7 +16,9 @@ from kernels.measure import Measurement
 from kernels.registry import get_spec
 from kernels.space import config_key
 from tuner.db import ResultsDB
-from tuner.strategies.llm import DEFAULT_K, EXPLORE_AWAY, PATIENCE, STRATEGY_VERSION, LLMStrategy, _PROPOSERS, evidence_bias, hedged
+from tuner.strategies.llm import (
+    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, PATIENCE, STRATEGY_VERSION, LLMStrategy, _PROPOSERS, evidence_bias, hedged,
+)
 from tuner.model.inference import default_model_path
 from tuner.session import Budget, Session
 from tuner.strategies import STRATEGIES, make_strategy
@@ -149,15 +151,16 @@ def test_llm_session_real_compile(hw, runner, tmp_path):
     assert first == LLMStrategy(GEMM.space(wl.shape, hw), 0, kernel=GEMM).ask(2)[:len(first)]
 
 
-def test_the_first_batch_always_tries_another_thread_count(hw):
-    """However sure the model is about threads, the first batch holds a config with another thread count (when the
-    constraints allow one): what threads are worth depends on what else the device runs."""
+def test_the_thread_count_is_hedged_on_request(hw):
+    """Threads are not hedged by default (only where the model is unsure); asked to, the first batch holds a config
+    with another thread count when the constraints allow one, and none where two threads are not valid."""
     for wl in ("mobilenetv2.b2.expand", "mobilenetv2.b6.project"):
         space = GEMM.space(GEMM.workload(wl).shape, hw)
-        first = LLMStrategy(space, 0, kernel=GEMM).ask(2)
+        first = LLMStrategy(space, 0, kernel=GEMM, always_hedge=("threads",)).ask(2)
         assert len({c["threads"] for c in first}) == 2, first
     tiny = GEMM.space(FC.shape, hw)  # too little work for two threads: nothing to hedge
-    assert {c["threads"] for c in LLMStrategy(tiny, 0, kernel=GEMM).ask(2)} == {1}
+    assert {c["threads"] for c in LLMStrategy(tiny, 0, kernel=GEMM, always_hedge=("threads",)).ask(2)} == {1}
+    assert "threads" not in ALWAYS_HEDGE
 
 
 def test_each_always_hedged_knob_keeps_its_own_slot(hw):
@@ -174,7 +177,7 @@ def test_each_always_hedged_knob_keeps_its_own_slot(hw):
 @pytest.mark.parametrize("kernel,workload", [("gru", "rnnoise.gru"), ("conv2d_3x3", "mobilenetv2.stem")])
 def test_first_batch_holds_two_vector_widths_and_gru_splits_by_default(kernel, workload, hw):
     """A sure model can be 2x wrong on the vector width or gru's parallel split: the default first batch holds two
-    values of each knob of ALWAYS_HEDGE that the space has, and of the thread count where two threads are valid."""
+    values of each knob of ALWAYS_HEDGE that the space has."""
     spec = get_spec(kernel)
     space = spec.space(spec.workload(workload).shape, hw)
     first = LLMStrategy(space, 0, kernel=spec).ask(DEFAULT_K)

@@ -133,3 +133,15 @@ def test_bench_json_fields():
     for k in ("kernel", "workload", "config", "ms", "cv", "reps_used", "ok", "max_abs_err", "ort_ms", "gflops", "roofline"):
         assert k in row
     assert row["ok"] and row["ms"] > 0 and row["ort_ms"] > 0 and row["gflops"] > 0
+
+
+def test_the_worker_times_variants_beside_no_threads_of_its_own(hw):
+    """The numpy reference runs on one BLAS thread: idle OpenBLAS threads busy-wait after each call, and a
+    threads=2 variant timed beside them shares its cores (it read ~2x slow on 2 cores). After a measurement whose
+    reference ran a BLAS matmul, a threads=1 variant's worker holds its main thread only."""
+    import os
+
+    shape = {"M": 64, "N": 64, "K": 64}
+    with Runner() as r:
+        assert r.measure(GEMM, shape, build(GEMM, {**GEMM.default, "threads": 1}, hw).path).ok
+        assert os.listdir(f"/proc/{r._proc.pid}/task") == [str(r._proc.pid)]

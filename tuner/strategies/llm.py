@@ -1,11 +1,10 @@
 """Strategy `llm`: the tuner model proposes, measurements steer it, and it stops when the neighbourhood says done.
 
 1. First batch (`k`, default 5): the model's top configs, hedged where it is unsure. From its exact top-(3k), the
-   knobs whose probability mass is split (vector width, tile shape: whichever the model doubts for this prompt)
-   each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the thread count
-   is always hedged, since what it is worth depends on the device's other load (a top-5 that all said threads=2 on
-   a host where two threads lose was issue #24's worst case), and so are the vector width and gru's parallel
-   split, where a model can be sure and wrong by 2x (ALWAYS_HEDGE).
+   knobs whose probability mass is split (thread count, vector width, tile shape: whichever the model doubts for
+   this prompt) each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the
+   vector width and gru's parallel split are hedged however sure the model is, since there a model can be sure and
+   wrong by 2x (ALWAYS_HEDGE).
 2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
    relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
    a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
@@ -43,16 +42,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STRATEGY_VERSION = "5"
+STRATEGY_VERSION = "6"  # bumped when the first batch or the steering changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
 UNSURE = 0.85  # a knob whose leading value holds under this share of the top configs' mass is hedged
-# knobs hedged however sure the model is (each where the space has it): what the threads knob is worth depends on
-# what else runs on the device (a 2-thread kernel on a busy 2-core device measured 2-30x slower than on an idle one),
-# which no prompt can say; vector width and gru's parallel split are where a model was confidently wrong by 2x on
-# held-out real layers (a Cout-16 conv: all five vec=4, best vec=16; an RNNoise GRU: all five par=units, best gemm)
-ALWAYS_HEDGE = ("threads", "vec", "par")
+# knobs hedged however sure the model is (each where the space has it): vector width and gru's parallel split are
+# where a model was confidently wrong by 2x on held-out real layers (a Cout-16 conv: all five vec=4, best vec=16; an
+# RNNoise GRU: all five par=units, best gemm). The thread count is hedged only where the model is unsure: once the
+# measuring worker stopped sharing its cores with idle BLAS threads (kernels.worker.ONE_BLAS_THREAD), a sure
+# model's threads=2 held up, and the slot it freed did better (35 real layers, two seeds: @5 within 5% 77-80% vs
+# 71-74% with threads hedged too)
+ALWAYS_HEDGE = ("vec", "par")
 HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top-12 costs 14 ms CPU p50, 20 p95 on
 #                 the 35 held-out layers at load ~10 (top-16: 15 / 24; top-5: 10 / 17); a session's calls with
 #                 top-15 first: CPU p95 19-21 ms at load 1-2
@@ -147,13 +148,14 @@ class LLMStrategy(Strategy):
     def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: KernelSpec | None = None, k: int = DEFAULT_K,
                  model_path: Path | None = None, proposer: Any = None, patience: int = PATIENCE,
                  evidence: float = EVIDENCE_WEIGHT, history: bool = True,
-                 always_hedge: tuple[str, ...] = ALWAYS_HEDGE):
+                 always_hedge: tuple[str, ...] = ALWAYS_HEDGE, hedge_pool: int = HEDGE_POOL):
         super().__init__(space, seed, kernel=kernel)
         self.k = k
         self.patience = patience
         self.evidence = evidence
         self.use_history = history  # prompt the model with the measurements (False: evidence bias alone)
         self.always_hedge = tuple(always_hedge)  # knobs the first batch holds two values of, however sure
+        self.hedge_pool = hedge_pool  # the first batch is hedged from the model's exact top-(hedge_pool * k)
         self.fallback: Anneal | None = None  # no usable model: plain anneal
         self.refiner: Anneal | None = None  # the model has nothing left to propose: local search, same patience
         self.proposer = None
@@ -270,7 +272,7 @@ class LLMStrategy(Strategy):
     def ask(self, n: int) -> list[Config]:
         if self.fallback is None and not self.started:
             self.started = True
-            self.first = self._always_hedged(hedged(self._propose(HEDGE_POOL * self.k), self.k, self.space))
+            self.first = self._always_hedged(hedged(self._propose(self.hedge_pool * self.k), self.k, self.space))
             if self.first:
                 return list(self.first)
         if self.fallback is not None:  # no usable model (from the start, or it failed mid-session)
