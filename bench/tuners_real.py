@@ -30,6 +30,7 @@ average beside each layer. Only ratios measured in the same rounds are compared 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -131,19 +132,24 @@ def strategy_obj(name: str, spec: KernelSpec, space, seed: int, budget: int):
     if name.startswith(PEERS):
         return make_peer(name, space, seed, budget)
     base, _, opts = name.partition(":")
-    kw = {k: _setting(k, v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
-    return STRATEGIES[base](space, seed, kernel=spec, **kw)
+    cls = STRATEGIES[base]
+    lists = {n for n, p in inspect.signature(cls).parameters.items() if isinstance(p.default, tuple)}
+    kw = {k: _setting(k in lists, v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
+    return cls(space, seed, kernel=spec, **kw)
 
 
-def _setting(key: str, v: str) -> int | float | str | tuple[str, ...]:
-    """A strategy setting from the command line: a number, a path (`llm:model_path=other.gguf`), else a list when
-    it holds '/' (`llm:always_hedge=threads/vec`) or a string."""
+def _setting(is_list: bool, v: str) -> int | float | str | tuple[str, ...]:
+    """A strategy setting from the command line: a list of '/'-separated names for a setting whose default is a
+    tuple (`llm:always_hedge=threads/vec`, `llm:always_hedge=vec`, `llm:always_hedge=` for none), else a number,
+    else a string (`llm:model_path=other.gguf`)."""
+    if is_list:
+        return tuple(x for x in v.split("/") if x)
     for kind in (int, float):
         try:
             return kind(v)
         except ValueError:
             pass
-    return tuple(v.split("/")) if "/" in v and not key.endswith("_path") else v
+    return v
 
 
 def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int) -> Run:

@@ -49,3 +49,18 @@ def test_real_layer_comparison_end_to_end(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming: 1 layers" in again.stdout and "[1/2]" not in again.stdout and "[2/2]" in again.stdout
     assert len(json.loads((tmp_path / "out.json").read_text())["layers"]) == 2
+
+
+def test_strategy_settings_on_the_command_line(hw):
+    """`name:key=value` settings reach the strategy typed: a tuple setting takes one name, several ('/') or none."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import tuners_real as TR
+
+    from kernels.registry import get_spec
+
+    gemm = get_spec("gemm")
+    space = gemm.space(gemm.workload("mobilenetv2.b2.expand").shape, hw)
+    for setting, want in (("vec", ("vec",)), ("threads/vec", ("threads", "vec")), ("", ())):
+        assert TR.strategy_obj(f"llm:always_hedge={setting}", gemm, space, 0, 5).always_hedge == want
+    s = TR.strategy_obj("llm:k=3,hedge_pool=2", gemm, space, 0, 5)
+    assert (s.k, s.hedge_pool) == (3, 2)
