@@ -316,46 +316,60 @@ def collect(out: Path, kernels: list[str], isas: list[str], n_configs: int, n_sh
     print(f"done in {time.time() - t_start:.0f}s; {sum(1 for r in j.rows if r.get('kind') == 'm')} measurements")
 
 
-def refine_cases(j: Journal, specs: list[KernelSpec], isas: list[str], evals: dict[str, int], min_time_s: float,
-                 max_reps: int, seed: int) -> None:
-    """Anneal from each case's best sampled config for `evals[split]` more configs (training targets near the
-    optimum; best-known references for held-out cases)."""
+def _phase_cases(j: Journal, specs: list[KernelSpec], isas: list[str], *, train_only: bool = False
+                 ) -> Iterator[tuple[KernelSpec, str, Any, Runner, str, list[dict]]]:
+    """Each case a phase after sampling works on, as (spec, isa, hw, runner, shape key, its rows so far): one
+    descriptor per ISA, one worker per kernel and ISA (never recycled: the collector's builds are shape-generic)."""
     from hwprobe import probe
-    from tuner.strategies import Anneal
 
     for isa in isas:
         hw = probe(isa_cap=isa, measure_bandwidth=False)
         for spec in specs:
+            cases = {sk: rows for sk, rows in j.cases(spec.name, isa).items()
+                     if not train_only or rows[0]["split"] == "train"}
             with Runner(recycle_after=10**9) as runner:
-                for sk, rows in j.cases(spec.name, isa).items():
-                    done_refine = sum(1 for r in rows if r["phase"] == "refine")
-                    shape, name, split = rows[0]["shape"], rows[0]["workload"], rows[0]["split"]
-                    target = evals.get(split, 0)
-                    if done_refine >= target:
-                        continue
-                    space = spec.space(shape, hw)
-                    strat = Anneal(space, seed=seed, t0=0.02)
-                    # replay everything measured so far (sample first, then earlier refinement), best last
-                    ok = sorted((r for r in rows if r["ok"]), key=lambda r: -r["ms"])
-                    for r in [r for r in rows if not r["ok"]] + ok:
-                        strat.tell(r["config"], Measurement(ok=r["ok"], ms=r["ms"], reason=r["reason"] or ""))
-                    strat.current = strat.best  # start at the best sampled config
-                    n = done_refine
-                    t = time.time()
-                    ev = _evaluator(spec, shape, hw, runner, min_time_s, max_reps)
+                for sk, rows in cases.items():
+                    yield spec, isa, hw, runner, sk, rows
 
-                    def record(_: int, c: Config, m: Measurement, name=name, shape=shape, split=split) -> None:
-                        j.append(_measure_row(spec, isa, name, shape, split, c, m, "refine", None))
 
-                    while n < target:
-                        asked = strat.ask(min(2, target - n))
-                        if not asked:
-                            break
-                        for c, m in zip(asked, ev.evaluate(asked, record=record)):
-                            strat.tell(c, m)
-                            n += 1
-                    print(f"[{time.strftime('%H:%M:%S')}] refine {spec.name} {isa} {name} ({split}): {n} evals in "
-                          f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
+def _progress(what: str, t: float) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what} in {time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def refine_cases(j: Journal, specs: list[KernelSpec], isas: list[str], evals: dict[str, int], min_time_s: float,
+                 max_reps: int, seed: int) -> None:
+    """Anneal from each case's best sampled config for `evals[split]` more configs (training targets near the
+    optimum; best-known references for held-out cases)."""
+    from tuner.strategies import Anneal
+
+    for spec, isa, hw, runner, _, rows in _phase_cases(j, specs, isas):
+        done_refine = sum(1 for r in rows if r["phase"] == "refine")
+        shape, name, split = rows[0]["shape"], rows[0]["workload"], rows[0]["split"]
+        target = evals.get(split, 0)
+        if done_refine >= target:
+            continue
+        strat = Anneal(spec.space(shape, hw), seed=seed, t0=0.02)
+        # replay everything measured so far (sample first, then earlier refinement), best last
+        ok = sorted((r for r in rows if r["ok"]), key=lambda r: -r["ms"])
+        for r in [r for r in rows if not r["ok"]] + ok:
+            strat.tell(r["config"], Measurement(ok=r["ok"], ms=r["ms"], reason=r["reason"] or ""))
+        strat.current = strat.best  # start at the best sampled config
+        n = done_refine
+        t = time.time()
+        ev = _evaluator(spec, shape, hw, runner, min_time_s, max_reps)
+
+        def record(_: int, c: Config, m: Measurement, spec=spec, isa=isa, name=name, shape=shape,
+                   split=split) -> None:
+            j.append(_measure_row(spec, isa, name, shape, split, c, m, "refine", None))
+
+        while n < target:
+            asked = strat.ask(min(2, target - n))
+            if not asked:
+                break
+            for c, m in zip(asked, ev.evaluate(asked, record=record)):
+                strat.tell(c, m)
+                n += 1
+        _progress(f"refine {spec.name} {isa} {name} ({split}): {n} evals", t)
 
 
 def sweep_groups(spec: KernelSpec, groups: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
@@ -374,34 +388,24 @@ def sweep_cases(j: Journal, specs: list[KernelSpec], isas: list[str], groups: li
     x86-64-v4: mr=5 nv=4 vec=16 in 1 of 52 training cases, while it is the best tile of 3 of 6 held-out real
     conv1d layers), and the model cannot propose what its data never ranked. The base is the fastest non-sweep,
     non-confirm measurement, so a resumed run sweeps from the same config and skips what it measured."""
-    from hwprobe import probe
+    swept = [s for s in specs if sweep_groups(s, groups)]
+    for spec, isa, hw, runner, sk, rows in _phase_cases(j, swept, isas, train_only=True):
+        base = min((r for r in rows if r["ok"] and r["phase"] not in ("sweep", "confirm")),
+                   key=lambda r: r["ms"], default=None)
+        if base is None:
+            continue
+        shape, name = rows[0]["shape"], rows[0]["workload"]
+        todo = [c for c in sweep_configs(spec.space(shape, hw), base["config"], sweep_groups(spec, groups))
+                if (spec.name, isa, sk, config_key(c)) not in j.done]
+        if not todo:
+            continue
+        t = time.time()
 
-    for isa in isas:
-        hw = probe(isa_cap=isa, measure_bandwidth=False)
-        for spec in specs:
-            mine = sweep_groups(spec, groups)
-            if not mine:
-                continue
-            train = {sk: rows for sk, rows in j.cases(spec.name, isa).items() if rows[0]["split"] == "train"}
-            with Runner(recycle_after=10**9) as runner:
-                for sk, rows in train.items():
-                    base = min((r for r in rows if r["ok"] and r["phase"] not in ("sweep", "confirm")),
-                               key=lambda r: r["ms"], default=None)
-                    if base is None:
-                        continue
-                    shape, name = rows[0]["shape"], rows[0]["workload"]
-                    todo = [c for c in sweep_configs(spec.space(shape, hw), base["config"], mine)
-                            if (spec.name, isa, sk, config_key(c)) not in j.done]
-                    if not todo:
-                        continue
-                    t = time.time()
+        def record(_: int, c: Config, m: Measurement, spec=spec, isa=isa, name=name, shape=shape) -> None:
+            j.append(_measure_row(spec, isa, name, shape, "train", c, m, "sweep", None))
 
-                    def record(_: int, c: Config, m: Measurement, name=name, shape=shape) -> None:
-                        j.append(_measure_row(spec, isa, name, shape, "train", c, m, "sweep", None))
-
-                    _evaluator(spec, shape, hw, runner, min_time_s, max_reps).evaluate(todo, record=record)
-                    print(f"[{time.strftime('%H:%M:%S')}] sweep {spec.name} {isa} {name}: {len(todo)} configs in "
-                          f"{time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
+        _evaluator(spec, shape, hw, runner, min_time_s, max_reps).evaluate(todo, record=record)
+        _progress(f"sweep {spec.name} {isa} {name}: {len(todo)} configs", t)
 
 
 def sweep_configs(space: SearchSpace, base: Config, groups: list[tuple[str, ...]]) -> list[Config]:
@@ -439,35 +443,26 @@ def confirm_leaders(j: Journal, specs: list[KernelSpec], isas: list[str], top: i
     Rounds measured hours apart are not comparable (the host's speed drifts), so when the leaders change, e.g. a
     grown `--configs` sample put a new config among them, all of them are measured again in fresh rounds (rows
     tagged with the leaders' id) rather than only the newcomers."""
-    from hwprobe import probe
+    for spec, isa, hw, runner, sk, rows in _phase_cases(j, specs, isas, train_only=True):
+        first = {}  # the leaders as ranked before confirmation: a resumed run picks the same ones
+        for r in rows:
+            if r["ok"] and r["phase"] != "confirm":
+                first.setdefault(r["config_key"], r)
+        leaders = [r["config"] for r in sorted(first.values(), key=lambda r: r["ms"])[:top]]
+        lid = leaders_id(config_key(c) for c in leaders)
+        done = confirmed_rows(rows, lid)
+        if done >= rounds * len(leaders):
+            continue
+        shape, name = rows[0]["shape"], rows[0]["workload"]
+        t = time.time()
 
-    for isa in isas:
-        hw = probe(isa_cap=isa, measure_bandwidth=False)
-        for spec in specs:
-            train = {sk: rows for sk, rows in j.cases(spec.name, isa).items() if rows[0]["split"] == "train"}
-            with Runner(recycle_after=10**9) as runner:
-                for sk, rows in train.items():
-                    first = {}  # the leaders as ranked before confirmation: a resumed run picks the same ones
-                    for r in rows:
-                        if r["ok"] and r["phase"] != "confirm":
-                            first.setdefault(r["config_key"], r)
-                    leaders = [r["config"] for r in sorted(first.values(), key=lambda r: r["ms"])[:top]]
-                    lid = leaders_id(config_key(c) for c in leaders)
-                    done = confirmed_rows(rows, lid)
-                    if done >= rounds * len(leaders):
-                        continue
-                    shape, name = rows[0]["shape"], rows[0]["workload"]
-                    t = time.time()
+        def record(_: int, c: Config, m: Measurement, spec=spec, isa=isa, name=name, shape=shape, lid=lid) -> None:
+            row = _measure_row(spec, isa, name, shape, "train", c, m, "confirm", None)
+            j.append(row | {"leaders": lid})
 
-                    def record(_: int, c: Config, m: Measurement, name=name, shape=shape, lid=lid) -> None:
-                        row = _measure_row(spec, isa, name, shape, "train", c, m, "confirm", None)
-                        j.append(row | {"leaders": lid})
-
-                    _evaluator(spec, shape, hw, runner, min_time_s, max_reps).interleave(
-                        leaders, rounds, seed=f"{seed}:{spec.name}:{isa}:{sk}", done=done, record=record)
-                    print(f"[{time.strftime('%H:%M:%S')}] confirm {spec.name} {isa} {name}: "
-                          f"{rounds * len(leaders) - done} "
-                          f"measurements in {time.time() - t:.1f}s, load {os.getloadavg()[0]:.2f}", flush=True)
+        _evaluator(spec, shape, hw, runner, min_time_s, max_reps).interleave(
+            leaders, rounds, seed=f"{seed}:{spec.name}:{isa}:{sk}", done=done, record=record)
+        _progress(f"confirm {spec.name} {isa} {name}: {rounds * len(leaders) - done} measurements", t)
 
 
 def data_card(path: Path) -> str:
