@@ -339,7 +339,7 @@ def test_proposals_valid_distinct_and_ranked(proposer, hw):
 
 def test_a_search_runs_to_its_expansion_cap_recycling_kv_sequences(proposer, hw):
     """A top-400 on the largest spaces expands more nodes (up to the cap, 600 by default) than there are KV
-    sequences (128): the search recycles the worst-scoring nodes' sequences (their children rebuild from the
+    sequences (256): the search recycles the worst-scoring nodes' sequences (their children rebuild from the
     prompt) and still returns valid, distinct configs in score order."""
     largest = sorted(model_kernels(), key=lambda s: -s.space(s.workloads[0].shape, hw).size())[:2]
     if not largest or largest[0].space(largest[0].workloads[0].shape, hw).size() < 400:
@@ -438,6 +438,17 @@ def test_corrupt_model_files_are_clear_errors(tmp_path, damage):
                      "text": b"not a model\n"}[damage])
     with pytest.raises(ModelError, match=str(bad)):
         LlamaModel(bad)
+
+
+def test_a_context_llama_cpp_refuses_is_a_clear_error_not_a_crash():
+    """llama.cpp refuses a context past its 256 sequences after the model loaded: the error names the file, and
+    the half-built model is freed once (it was freed again at garbage collection, a segfault at exit)."""
+    code = ("from tuner.model.inference import LlamaModel, ModelError\n"
+            "try:\n    LlamaModel(n_seq_max=300)\nexcept ModelError as e:\n    print('refused:', e)\n"
+            "import gc; gc.collect()\nprint('alive')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 0, (p.returncode, p.stderr[-500:])
+    assert "refused: llama.cpp could not create a context" in p.stdout and "alive" in p.stdout
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

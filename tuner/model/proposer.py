@@ -147,8 +147,12 @@ class ProposeResult:
 
 
 class Proposer:
-    def __init__(self, model: LlamaModel | None = None, *, path=None, expand_per_decode: int = 8,
+    def __init__(self, model: LlamaModel | None = None, *, path=None, expand_per_decode: int = 16,
                  max_expansions: int = 600):
+        """`expand_per_decode`: frontier nodes a `llama_decode` expands. A decode costs ~0.13 ms plus ~35 us a
+        token, so more nodes a decode means fewer decodes, at the price of expanding nodes an exact top-k would not
+        have needed: 16 cut a top-15's CPU p95 from 30 to 22 ms on the real held-out layers, and raised a top-5's
+        p50 from 7 to 9 ms (its p95 fell, 17 to 14)."""
         self.m = model or LlamaModel(path)
         self.expand_per_decode = expand_per_decode
         self.max_expansions = max_expansions

@@ -54,10 +54,10 @@ UNSURE = 0.85  # a knob whose leading value holds under this share of the top co
 # model's threads=2 held up, and the slot it freed did better (35 real layers, two seeds: @5 within 5% 77-80% vs
 # 71-74% with threads hedged too)
 ALWAYS_HEDGE = ("vec", "par")
-HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top-15 costs 10 ms CPU p50, 32 p95 on
-#                 the 35 real held-out layers at idle (top-10: 8 / 24; top-5: 6 / 15), and sets the p95 of a
-#                 budget-10 session's calls (22-27 ms at load 1-2); a pool of 2 kept that under 20 ms but was
-#                 within 5% on fewer layers at 10 evals in both of two runs
+HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top-15 costs 10 ms CPU p50, 22 p95 on
+#                 the 35 real held-out layers at idle (top-10: 10 / 17; top-5: 9 / 14), and sets the p95 of a
+#                 budget-10 session's calls (20 ms at load 1-2); a pool of 2 was within 5% on fewer layers at
+#                 10 evals in both of two runs
 EVIDENCE_WEIGHT = 1.5  # log-weight per log of a value's best time over the best of all
 PATIENCE = 4
 WIDE_SPREAD = 2.0  # the first batch's slowest over fastest: beyond this, patience doubles
