@@ -35,6 +35,7 @@ from edgetune.broker import CONNECT_TIMEOUT_S
 from edgetune.errors import BadInput, EdgetuneError
 from edgetune.protocol import PAUSED, TERMINAL_STATES, Topics, encode
 from edgetune.sqlite import DBError, DBFull
+from edgetune.wakeup import Wakeup
 from hwprobe import probe
 from tuner.db import ResultsDB
 from tuner.model import slots
@@ -53,7 +54,7 @@ PROGRESS_EVERY_S = 0.5  # in_progress responses per command, at most this often
 class Daemon:
     def __init__(self, cfg: Config, config_path: str | None):
         self.cfg, self.config_path = cfg, config_path
-        self._wake = threading.Event()
+        self._wake = Wakeup()  # set by the signal handlers: an Event there can deadlock the main loop
         self._stop = False
         self._reload = False
         self._ready = False

@@ -54,6 +54,7 @@ from typing import Callable
 from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message, backoff
 from edgetune.protocol import Topics, encode
 from edgetune.sqlite import DBBusy, DBError
+from edgetune.wakeup import Wakeup
 from fleet.ingest import Outcome, ingest_batch, retired_subscriptions, subscriptions
 from fleet.mqtt import hostname
 from fleet.store import open_fleet_store
@@ -101,7 +102,7 @@ class Listener(Handler):
         self.connected = threading.Event()
         self.subscribed = threading.Event()
         self._cond = threading.Condition()  # guards counts
-        self._stop = threading.Event()
+        self._stop = Wakeup()  # request_stop sets it from a signal handler
         self._queue: deque[_Received] = deque()
         self._queued = threading.Condition()  # guards _queue and _retry
         self._retry = False  # a DB write failed: take nothing more until the reconnect brings it all again
@@ -137,7 +138,7 @@ class Listener(Handler):
         return True
 
     def request_stop(self) -> None:
-        """Safe from a signal handler: `run` notices within its poll interval and disconnects cleanly."""
+        """Safe from a signal handler (edgetune.wakeup): `run` wakes and disconnects cleanly."""
         self._stop.set()
 
     @property
@@ -159,8 +160,7 @@ class Listener(Handler):
     def run(self) -> None:
         """Until `request_stop` (the CLI, with signals); the store stays open for the caller's summary."""
         self.start()
-        while not self._stop.wait(0.2):
-            pass
+        self._stop.wait()
         self._halt(10.0)
         log.info("fleet listener stopped: %s", dict(self.counts))
 

@@ -6,6 +6,7 @@ import json
 import signal
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,20 @@ def test_mqtt311_fallback_and_rows_deleted_only_on_puback(tmp_path):
         assert link.flush(10) and ob.depth() == (0, 0)
     finally:
         link.stop()
+
+
+def test_a_storm_of_sighups_neither_hangs_nor_kills_the_daemon(tmp_path):
+    """Thousands of reloads, each signal landing wherever the main loop happens to be: a handler that took the
+    loop's own lock there (threading.Event.set while the loop was inside wait/clear) hung the daemon, and further
+    signals nested handlers until a RecursionError killed it. It must stop cleanly on SIGTERM afterwards."""
+    d = DaemonProc(daemon_config(tmp_path, None)).start()
+    try:
+        d.wait_status(lambda s: s.get("state") not in (None, "starting"))
+        for _ in range(4000):
+            d.proc.send_signal(signal.SIGHUP)
+            time.sleep(0.0005)
+        d.wait_status(lambda s: True)
+        assert d.signal(signal.SIGTERM, timeout=30) == 0, d.log[-3000:]
+        assert "config reloaded" in d.log and "Traceback" not in d.log, d.log[-3000:]
+    finally:
+        d.stop()
