@@ -19,7 +19,7 @@ class Wakeup:
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._close = weakref.finalize(self, _close_fds, self._r, self._w)
+        weakref.finalize(self, _close_fds, self._r, self._w)
 
     def set(self) -> None:
         try:
@@ -42,9 +42,6 @@ class Wakeup:
                 pass
         except BlockingIOError:  # drained
             pass
-
-    def close(self) -> None:
-        self._close()
 
 
 def _close_fds(*fds: int) -> None:

@@ -22,5 +22,3 @@ def test_it_behaves_as_an_event():
     w.set()  # from another thread
     t.join(30)
     assert woke.is_set()
-    w.close()
-

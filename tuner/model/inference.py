@@ -245,10 +245,9 @@ class LlamaModel:
 
     def __init__(self, path: Path | None = None, *, n_seq_max: int = 256, n_ctx: int = 2048, threads: int = 1):
         """n_seq_max is llama.cpp's maximum: a search that runs out of sequences recycles materialised nodes, whose
-        children then rebuild from the prompt (with 128, a top-15 on the 35 real held-out layers cost 30 ms CPU p95
-        at idle; with 256 and 16 nodes a decode, 22). n_ctx is KV cells shared by all sequences (kv_unified): a
-        sequence shares its parent's cells and holds only its own value tokens, so a top-40 on those layers fits
-        in 512. Every seq_cp / seq_rm / clear walks all the cells, ~60% dearer at 4096."""
+        children then rebuild from the prompt. n_ctx is KV cells shared by all sequences (kv_unified): a sequence
+        shares its parent's cells and holds only its own value tokens (a top-40 on the real held-out layers fits in
+        512). Every seq_cp / seq_rm / clear walks all the cells, ~60% dearer at 4096."""
         import llama_cpp.llama_cpp as L
 
         self.L = L
