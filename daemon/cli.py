@@ -18,7 +18,7 @@ from edgetune import config as config_mod
 from daemon import control, firmware
 from edgetune.errors import BadInput, EdgetuneError
 from edgetune.sqlite import DBError, DBFull
-from edgetune.output import console, emit, fmt, json_flag, progress, table
+from edgetune.output import emit, fmt, json_flag, progress, say, table
 
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     reply = _one({"op": "ping"})
     reply["rtt_ms"] = round((time.perf_counter() - t) * 1000, 2)
-    emit(reply, args.json, lambda r: console.print(f"pong: daemon {r['version']} is {r['state']} ({r['rtt_ms']} ms)"))
+    emit(reply, args.json, lambda r: say(f"pong: daemon {r['version']} is {r['state']} ({r['rtt_ms']} ms)"))
     return 0
 
 
@@ -170,7 +170,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
             last = reply
             if bar and task is not None:
                 bar.update(task, completed=reply.get("progress") or 0, description=reply.get("message") or "retune")
-    emit(last, args.json, lambda r: console.print(
+    emit(last, args.json, lambda r: say(
         f"retune {r['id']}: {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")))
     return {"rejected": 2, "failed": 1}.get(last.get("status", ""), 0)
 
@@ -187,13 +187,13 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     def render(d: dict) -> None:
         where = ", ".join(d["files"]) or "no config files (defaults)"
         for w in d["warnings"]:
-            console.print(f"[yellow]warning[/yellow]: {w}", highlight=False, markup=False)
+            say(w, "warning:", "yellow")
         if d["ok"]:
-            console.print(f"[green]config OK[/green]: {where}; device id {cfg['device_id']}", highlight=False)
+            say(f"{where}; device id {cfg['device_id']}", "config OK:", "green")
             return
-        console.print(f"[red]{len(loaded.problems)} problem(s)[/red] in {where}:", highlight=False)
+        say(f"in {where}:", f"{len(loaded.problems)} problem(s)", "red")
         for p in loaded.problems:
-            console.print(f"  {p}", highlight=False, markup=False)
+            say(f"  {p}")
 
     emit(doc, args.json, render)
     return 2 if loaded.problems else 0
@@ -224,7 +224,7 @@ def cmd_notify_firmware(args: argparse.Namespace) -> int:
         doc = {"delivered": True, "command_id": reply.get("id")}
     except control.DaemonDown:
         doc = {"delivered": False, "marker": str(firmware.write_marker(args.source))}
-    emit(doc, args.json, lambda d: console.print(
+    emit(doc, args.json, lambda d: say(
         f"daemon notified: retune {d['command_id']}" if d["delivered"]
-        else f"daemon not running: left {d['marker']} for its next start", highlight=False))
+        else f"daemon not running: left {d['marker']} for its next start"))
     return 0

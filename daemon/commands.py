@@ -11,7 +11,6 @@ never blocks the MQTT thread on it.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import threading
@@ -23,7 +22,7 @@ from typing import Any, Callable
 
 from daemon.store import Journal
 from edgetune.errors import BadInput
-from edgetune.protocol import CMD_REQ, ID_RULE, MAX_COMMAND_BYTES, OPS, ProtocolError, decode, valid_id
+from edgetune.protocol import CMD_REQ, ID_RULE, INVALID_ID, MAX_COMMAND_BYTES, OPS, ProtocolError, decode, valid_id
 from edgetune.protocol import OPEN_STATES as OPEN, TERMINAL_STATES as TERMINAL
 
 log = logging.getLogger(__name__)
@@ -92,24 +91,25 @@ def check_args(op: str, args: Any) -> dict:
     return args
 
 
-def parse(payload: bytes, now: float) -> tuple[str | None, Command | None, str | None]:
-    """(usable id or None, command or None, rejection reason or None)."""
+def parse(payload: bytes, now: float) -> tuple[str | None, str | None, Command | None, str | None]:
+    """(usable id or None, known op or None, command or None, rejection reason or None). The op is returned
+    even when its args or expiry are refused, so the rejection on record says what was refused."""
     try:
         doc = decode(payload, CMD_REQ.sub, MAX_COMMAND_BYTES)
     except ProtocolError as e:
-        return None, None, str(e)
+        return None, None, None, str(e)
     cid = doc.get("id")
-    if not valid_id(cid):
-        return None, None, f"missing or unusable id ({ID_RULE})"
+    if not valid_id(cid) or cid == INVALID_ID:  # cmd/res/invalid carries the rejections that have no id
+        return None, None, None, f"missing or unusable id ({ID_RULE}; {INVALID_ID!r} is reserved)"
+    op = doc.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        return cid, None, None, f"unknown op {str(op)[:40]!r}; ops: {', '.join(OPS)}"
     try:
-        op = doc.get("op")
-        if not isinstance(op, str) or op not in OPS:
-            raise Rejected(f"unknown op {str(op)[:40]!r}; ops: {', '.join(OPS)}")
         if _expired(doc.get("expires_at"), now):
             raise Rejected("expired")
-        return cid, Command(cid, op, check_args(op, doc.get("args")), "fleet"), None
+        return cid, op, Command(cid, op, check_args(op, doc.get("args")), "fleet"), None
     except Rejected as e:
-        return cid, None, str(e)
+        return cid, op, None, str(e)
 
 
 Respond = Callable[[str | None, dict], None]
@@ -139,7 +139,7 @@ class Commands:
 
     def _handle(self, payload: bytes) -> None:
         now = time.time()
-        cid, cmd, reason = parse(payload, now)
+        cid, op, cmd, reason = parse(payload, now)
         if cid is None:
             digest = hashlib.sha256(payload).hexdigest()
             log.warning("rejected cmd/req (%d bytes, sha256 %s): %s", len(payload), digest[:16], reason)
@@ -155,7 +155,7 @@ class Commands:
             reason = self._checked(cmd)
         if cmd is None or reason:
             log.warning("rejected command %s: %s", cid, reason)
-            self._record(cid, cmd.op if cmd else None, cmd.args if cmd else None, "fleet", "rejected", reason)
+            self._record(cid, op, cmd.args if cmd else None, "fleet", "rejected", reason)
             return
         self._start(cmd)
 

@@ -515,8 +515,9 @@ class Daemon:
             send({"ok": False, "error": f"unknown request {str(op)[:40]!r}", "exit": 2})
 
     def _control_retune(self, req: dict, send: Any) -> None:
+        # `is not`: a budget of 0 must reach the command's validation (0 == False would drop it unchecked)
         args = {k: req[k] for k in ("kernels", "workloads", "strategy", "budget", "force")
-                if req.get(k) not in (None, False)}
+                if req.get(k) is not None and req.get(k) is not False}
         try:
             cmd = self.commands.local("retune", args, "local")
         except EdgetuneError as e:

@@ -10,6 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from edgetune.errors import EdgetuneError
+
 
 def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
     """Write `data` to `path` (whose directory exists) atomically; `mode` sets the permissions (mkstemp's
@@ -27,6 +29,15 @@ def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_output(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """write_atomic for a file the user named (`-o FILE`): a path that cannot be written is a clear error naming
+    it, not a traceback. 0644: what reads it (a daemon, a firmware build) may run as another user."""
+    try:
+        write_atomic(path, data, mode=mode)
+    except OSError as e:
+        raise EdgetuneError(f"cannot write {path}: {e.strerror}") from e
 
 
 def fsync_dir(d: Path) -> None:

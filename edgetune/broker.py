@@ -114,6 +114,12 @@ class BrokerSettings:
         return f"{'mqtts' if self.tls.enabled else 'mqtt'}://{host}:{self.effective_port}"
 
 
+# A connection that lasts this long resets the reconnect backoff. One the broker closes sooner (another client
+# connected with our client id, as two devices cloned from one image do; a ban) counts as a failed attempt, so
+# the two clients back off instead of taking the id from each other twice a second.
+STABLE_CONNECTION_S = 10.0
+
+
 def backoff(failures: int, low: float, cap: float) -> float:
     """Exponential backoff with full jitter: uniform between `low` and low·2^failures, at most `cap`."""
     return random.uniform(low, max(low, min(cap, low * 2 ** failures)))
@@ -217,6 +223,7 @@ class Client:
         self._hold = 0.0
         self._fell_back = False
         self._answered = False
+        self._up_since = 0.0  # time.monotonic() of the last CONNACK
         self._conn: Connection | None = None
         self._calls: queue.SimpleQueue[Callable[[Connection], None]] = queue.SimpleQueue()
         self._waiters: dict[int, Callable[[str | None], None]] = {}
@@ -309,7 +316,8 @@ class Client:
             self.attempted.set()
             if self._stop.is_set():
                 break
-            failures = 0 if self.connects > was else failures + 1
+            stable = self.connects > was and (self._drop or self._lived() >= STABLE_CONNECTION_S)
+            failures = 0 if stable else failures + 1
             hold, self._hold = self._hold, 0.0
             self._stop.wait(max(hold, backoff(failures, self.settings.reconnect_min_s, self.settings.reconnect_max_s)))
 
@@ -472,6 +480,7 @@ class Client:
             return
         self.connected = True
         self.connects += 1
+        self._up_since = time.monotonic()
         self.last_error = None
         self._conn = Connection(client, getattr(props, "ReceiveMaximum", MAX_INFLIGHT))
         session = bool(getattr(flags, "session_present", False))
@@ -513,8 +522,16 @@ class Client:
 
     def _disconnected(self, _c: paho.Client, _ud: Any, _flags: Any, reason: Any, _props: Any) -> None:
         if self.connected and not self._stop.is_set() and not self._drop:
-            self._error(f"lost the connection to {self.settings.label}: {reason}")
+            lived = self._lived()
+            hint = (f" {lived:.1f} s after connecting; if this repeats, another client may be connecting with "
+                    f"client id {self.client_id!r} (two devices with one device_id?)" if lived < STABLE_CONNECTION_S
+                    else "")
+            self._error(f"lost the connection to {self.settings.label}: {reason}{hint}")
         self.connected = False
+
+    def _lived(self) -> float:
+        """Seconds since the last connection was acknowledged."""
+        return time.monotonic() - self._up_since
 
     def _message(self, _c: paho.Client, _ud: Any, m: paho.MQTTMessage) -> None:
         try:

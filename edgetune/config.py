@@ -278,6 +278,7 @@ def load(path: str | Path | None = None) -> Loaded:
 def load_or_raise(path: str | Path | None = None) -> Config:
     loaded = load(path)
     if loaded.problems:
-        raise BadInput("config has problems (run `edgetune config check`):\n  "
+        check = "edgetune config check" + (f" --config {path}" if path else "")
+        raise BadInput(f"config has problems (run `{check}`):\n  "
                        + "\n  ".join(map(str, loaded.problems)))
     return loaded.config

@@ -13,7 +13,7 @@ from typing import Callable
 
 from edgetune import __version__
 from edgetune.errors import EdgetuneError
-from edgetune.output import err_console
+from edgetune.output import say
 
 # Each module exposes register(subparsers); a verb's handler is set with set_defaults(func=...).
 VERB_MODULES = ["hwprobe.cli", "kernels.cli", "kernels.cli_workloads", "tuner.cli", "daemon.cli", "fleet.cli"]
@@ -22,7 +22,7 @@ VERB_MODULES = ["hwprobe.cli", "kernels.cli", "kernels.cli_workloads", "tuner.cl
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 too, but say it our way
         self.print_usage(sys.stderr)
-        err_console.print(f"[red]error:[/red] {message}")
+        say(message, "error:", "red", err=True)
         sys.exit(2)
 
 
@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except EdgetuneError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False)
+        say(str(e), "error:", "red", err=True)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 err_console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=200)
 # piped output (logs, CI) gets wide tables instead of rich's 80-column default
@@ -31,12 +32,20 @@ def emit(data: Any, as_json: bool, render: Callable[[Any], None] | None = None) 
         render(data)
 
 
+def say(message: str, label: str = "", style: str = "", err: bool = False) -> None:
+    """Print `message` verbatim after an optional styled `label`. Messages carry user values (paths, workload
+    names, TOML tables such as `[power]`) that rich would otherwise read as markup: dropped, or a MarkupError."""
+    text = Text.assemble((label, style), " " if label and message else "", message)
+    (err_console if err else console).print(text)
+
+
 def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
-    t = Table(title=title)
+    """A table whose cells and title print verbatim (no rich markup: they hold user values)."""
+    t = Table(title=None if title is None else Text(title))
     for c in columns:
-        t.add_column(c)
+        t.add_column(Text(c))
     for r in rows:
-        t.add_row(*["" if v is None else str(v) for v in r])
+        t.add_row(*[Text("" if v is None else str(v)) for v in r])
     console.print(t)
 
 

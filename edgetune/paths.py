@@ -28,26 +28,37 @@ def _pick(env: str, system: str, xdg_env: str, xdg_default: Path) -> Path:
     return Path(os.environ.get(xdg_env) or xdg_default) / "edgetune"
 
 
-def _ensure(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
+def _ensure(p: Path, env: str) -> Path:
+    """`p`, created if missing; a path that cannot be a directory is a clear error naming the variable to set."""
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "not a directory" if p.exists() else e.strerror
+        raise EdgetuneError(f"cannot use {p} as edgetune's {_ROLE[env]} dir: {why}; set {env} to a "
+                            "writable directory") from None
     return p
 
 
+_ROLE = {"STATE_DIRECTORY": "state", "CACHE_DIRECTORY": "cache", "RUNTIME_DIRECTORY": "runtime"}
+
+
 def state_dir() -> Path:
-    return _ensure(_pick("STATE_DIRECTORY", "/var/lib/edgetune", "XDG_STATE_HOME", Path.home() / ".local/state"))
+    return _ensure(_pick("STATE_DIRECTORY", "/var/lib/edgetune", "XDG_STATE_HOME", Path.home() / ".local/state"),
+                   "STATE_DIRECTORY")
 
 
 def cache_dir() -> Path:
-    return _ensure(_pick("CACHE_DIRECTORY", "/var/cache/edgetune", "XDG_CACHE_HOME", Path.home() / ".cache"))
+    return _ensure(_pick("CACHE_DIRECTORY", "/var/cache/edgetune", "XDG_CACHE_HOME", Path.home() / ".cache"),
+                   "CACHE_DIRECTORY")
 
 
 def runtime_dir() -> Path:
     if os.environ.get("RUNTIME_DIRECTORY"):
-        return _ensure(Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0]))
+        return _ensure(Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0]), "RUNTIME_DIRECTORY")
     if _system_wide():
-        return _ensure(Path("/run/edgetune"))
+        return _ensure(Path("/run/edgetune"), "RUNTIME_DIRECTORY")
     if os.environ.get("XDG_RUNTIME_DIR"):
-        return _ensure(Path(os.environ["XDG_RUNTIME_DIR"]) / "edgetune")
+        return _ensure(Path(os.environ["XDG_RUNTIME_DIR"]) / "edgetune", "RUNTIME_DIRECTORY")
     return _private(Path(f"/tmp/edgetune-{os.getuid()}"))
 
 

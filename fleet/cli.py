@@ -3,7 +3,7 @@
   edgetune fleet listen  --broker HOST[:PORT] [--db F|URL] [--share G]  store what devices publish (until stopped)
   edgetune fleet devices [--db F] [--json]                      state, last seen, hw, tuned workloads, mean speedup
   edgetune fleet show DEVICE [--db F] [--json]                  one device: info, active configs, records, status log
-  edgetune fleet retune  DEVICE --broker … [--kernel K] [--wait] send a retune command and follow its progress
+  edgetune fleet retune  DEVICE --broker … [--db F] [--any-device] [--wait]  send a retune, follow its progress
   edgetune fleet export-records -o FILE [--db F] [--json]       tuning records as JSONL training data
   edgetune fleet serve --broker … [--config F] [--port P]       receiver + web dashboard and JSON API (fleet/serve.py)
   edgetune fleet token create --role viewer|operator | list | revoke   API tokens of `fleet serve`
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetune.errors import BadInput, EdgetuneError
-from edgetune.output import console, emit, err_console, fmt, json_flag, table
+from edgetune.output import console, emit, err_console, fmt, json_flag, say, table
 from edgetune.protocol import check_id
 from fleet.mqtt import add_broker_args, broker_settings
 from fleet.db import is_postgres
@@ -76,7 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --wait: give up after S seconds (default 900; exit 1)")
     q.add_argument("--ttl", type=float, default=600.0, metavar="S",
                    help="the device rejects the command if it reaches it more than S seconds from now (default 600)")
+    q.add_argument("--any-device", action="store_true",
+                   help="send even to a device the fleet DB has never heard from (e.g. one not yet connected)")
     add_broker_args(q)
+    _db_arg(q)
     json_flag(q)
     q.set_defaults(func=cmd_retune)
 
@@ -241,6 +244,13 @@ def cmd_retune(args: argparse.Namespace) -> int:
                 raise BadInput(f"--{flag}: empty name")
     if args.strategy is not None and not args.strategy.strip():
         raise BadInput("--strategy: empty name")
+    known = _known_device(args.db, args.device)
+    if known is False and not args.any_device:
+        raise BadInput(f"no device {args.device!r} in the fleet DB, so nothing was sent; check the id with `edgetune "
+                       "fleet devices`, or send anyway with --any-device")
+    if known is None and not args.json:
+        say(f"{args.device} is not checked against the devices the fleet knows (pass --db)",
+            f"no fleet DB at {default_path()}:", "yellow", err=True)
     cargs: dict[str, Any] = {}
     if args.kernel:
         cargs["kernels"] = args.kernel
@@ -259,15 +269,16 @@ def cmd_retune(args: argparse.Namespace) -> int:
 
     if not args.wait:
         run = send_command(opts, args.device, command, wait=False, timeout_s=args.timeout)
-        emit(run.to_dict(), args.json,
+        emit({**run.to_dict(), "known": known}, args.json,
              lambda d: console.print(f"sent retune {d['id']} to {d['device']} (expires "
                                      f"{time.strftime('%H:%M:%S', time.localtime(d['expires_at']))})"))
         return 0
 
     def on_status(state: str, status: dict) -> None:
         if state != "online" and not args.json:
-            err_console.print(f"[yellow]device {args.device} is {state}[/]: the command reaches it only if it "
-                              f"reconnects before {time.strftime('%H:%M:%S', time.localtime(command['expires_at']))}")
+            say(f"the command reaches it only if it reconnects before "
+                f"{time.strftime('%H:%M:%S', time.localtime(command['expires_at']))}",
+                f"device {args.device} is {state}:", "yellow", err=True)
 
     if tty:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -296,27 +307,35 @@ def cmd_retune(args: argparse.Namespace) -> int:
                 return
             p = describe_progress(r.get("progress"))
             reason = f" reason: {r['reason']}" if r.get("reason") else ""
-            err_console.print(f"{args.device} retune {short} {r['status']}" + (f" {p}" if p else "") + reason,
-                              highlight=False)
+            say(f"{args.device} retune {short} {r['status']}" + (f" {p}" if p else "") + reason, err=True)
 
         run = send_command(opts, args.device, command, wait=True, timeout_s=args.timeout,
                            on_response=on_response, on_status=on_status)
 
     def render(d: dict) -> None:
         if d["status"] == "succeeded":
-            console.print(f"[green]retune on {d['device']} succeeded[/]", highlight=False)
+            say("", f"retune on {d['device']} succeeded", "green")
             if d["result"] not in (None, {}, []):
                 console.print_json(json.dumps(d["result"], default=str))
         elif d["status"] == "timeout":
             last = d["responses"][-1]["status"] if d["responses"] else "no response"
-            err_console.print(f"[red]no final response from {d['device']} within {args.timeout:g} s[/] "
-                              f"(last: {last}; device state: {d['device_state'] or 'unknown'})", highlight=False)
+            say(f"(last: {last}; device state: {d['device_state'] or 'unknown'})",
+                f"no final response from {d['device']} within {args.timeout:g} s", "red", err=True)
         else:
-            err_console.print(f"[red]retune on {d['device']} {d['status']}[/]"
-                              + (f": {d['reason']}" if d["reason"] else ""), highlight=False)
+            say(d["reason"] or "", f"retune on {d['device']} {d['status']}" + (":" if d["reason"] else ""), "red",
+                err=True)
 
-    emit(run.to_dict(), args.json, render)
+    emit({**run.to_dict(), "known": known}, args.json, render)
     return 0 if run.status == "succeeded" else 1
+
+
+def _known_device(db: str | None, device: str) -> bool | None:
+    """Whether the fleet DB has heard from `device` (as the API's retune checks); None when there is no fleet DB
+    here to ask: `fleet retune` needs only the broker."""
+    if db is None and not default_path().exists():
+        return None
+    with _open_existing(db) as store:
+        return store.device(device) is not None
 
 
 # ---- export-records --------------------------------------------------------------------------------------------

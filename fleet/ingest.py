@@ -29,6 +29,7 @@ log = logging.getLogger("fleet.ingest")
 Incoming = tuple[str, bytes, bool]  # a message as the listener hands it over: topic, payload, retained
 OTHERS_PER_TX = 50  # non-telemetry messages per transaction: they hold their devices' rows until its commit
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+MAX_SPEEDUP = 1e6  # a million times faster (or slower) than the default is a device's clock or unit bug, not a result
 
 
 class Malformed(ProtocolError):
@@ -66,6 +67,12 @@ def _int(x: Any) -> int | None:
     return None
 
 
+def plausible_speedup(x: float | None) -> bool:
+    """Whether a speedup can be a measurement: a finite ratio within MAX_SPEEDUP either way. Anything else
+    (0, 1e308, inf) would only wreck the fleet's medians and plots."""
+    return x is not None and 1 / MAX_SPEEDUP <= x <= MAX_SPEEDUP
+
+
 def _text(x: Any, limit: int = 500) -> str | None:
     if isinstance(x, str):
         return x[:limit]
@@ -92,10 +99,21 @@ def _seen(ts: float | None, retained: bool, now: float) -> float | None:
 
 
 # ---- per-topic handlers ----------------------------------------------------------------------------------------
+# A handler validates a message, raising Malformed (or whatever an odd payload provokes) before anything is written,
+# and returns the write that stores it: a batch checks every message before its transaction, so a rejected one
+# creates no device row.
 
-def _status(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+Write = Callable[[FleetStore], Outcome]
+
+
+def _done(outcome: Outcome) -> Write:
+    """The write of a message that stores nothing."""
+    return lambda store: outcome
+
+
+def _status(device: str, sub: str, payload: bytes, retained: bool, now: float) -> Write:
     if not payload:  # a retained status was cleared
-        return Outcome("status", device, "cleared")
+        return _done(Outcome("status", device, "cleared"))
     obj = wire.decode(payload, wire.STATUS.sub)
     state = obj.get("state")
     if state not in STATUS_STATES:
@@ -103,11 +121,14 @@ def _status(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
     ts = _num(obj.get("ts"))
     # `lost` is the broker speaking (the last will): it proves nothing about when the device was alive
     seen = (min(ts, now) if ts is not None else None) if state == "lost" else _seen(ts, retained, now)
-    changed = store.put_status(device, state, _int(obj.get("session")), _text(obj.get("version"), 100), ts,
-                               retained, now, seen)
-    if changed:
-        log.info("device %s is %s", device, state)
-    return Outcome("status", device, "changed" if changed else "same")
+
+    def write(store: FleetStore) -> Outcome:
+        changed = store.put_status(device, state, _int(obj.get("session")), _text(obj.get("version"), 100), ts,
+                                   retained, now, seen)
+        if changed:
+            log.info("device %s is %s", device, state)
+        return Outcome("status", device, "changed" if changed else "same")
+    return write
 
 
 def _descriptor(info: dict) -> dict:
@@ -117,9 +138,9 @@ def _descriptor(info: dict) -> dict:
     return info if "cpu_model" in info else {}
 
 
-def _info(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _info(device: str, sub: str, payload: bytes, retained: bool, now: float) -> Write:
     if not payload:
-        return Outcome("info", device, "cleared")
+        return _done(Outcome("info", device, "cleared"))
     obj = wire.decode(payload, wire.INFO.sub)
     declared = _ident(obj.get("device_id", obj.get("device")))
     if declared is not None and declared != device:
@@ -134,15 +155,18 @@ def _info(store: FleetStore, device: str, sub: str, payload: bytes, retained: bo
         "model_version": _text(model.get("version"), 200) if isinstance(model, dict) else _text(obj.get("model_version")),
         "descriptor": hw or None,
     }
-    store.put_info(device, obj, summary, now, _seen(_num(obj.get("ts")), retained, now))
-    return Outcome("info", device, "stored")
+    seen = _seen(_num(obj.get("ts")), retained, now)
+
+    def write(store: FleetStore) -> Outcome:
+        store.put_info(device, obj, summary, now, seen)
+        return Outcome("info", device, "stored")
+    return write
 
 
-def _active(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _active(device: str, sub: str, payload: bytes, retained: bool, now: float) -> Write:
     seen = _seen(None, retained, now)
     if not payload:
-        store.put_active(device, None, {}, [], now, seen)
-        return Outcome("active", device, "cleared")
+        return _active_write(device, None, {}, [], now, seen, "cleared")
     obj = wire.decode(payload, wire.CONFIG_ACTIVE.sub)
     kernels = obj.get("kernels") or {}
     if not isinstance(kernels, dict):
@@ -156,6 +180,10 @@ def _active(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
         ms, default_ms, speedup = _num(e.get("ms")), _num(e.get("default_ms")), _num(e.get("speedup"))
         if speedup is None and ms and default_ms:
             speedup = default_ms / ms
+        if speedup is not None and not plausible_speedup(speedup):
+            log.warning("config/active of %s: %s speedup %g is not a measurement; stored as unknown", device,
+                        str(slot)[:100], speedup)
+            speedup = None
         entries.append({
             "slot": str(slot)[:300], "kernel": _text(e.get("kernel"), 100) or kernel,
             "workload": _text(e.get("workload"), 200) or workload or None,
@@ -168,8 +196,15 @@ def _active(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
     meta = {"model_version": _text(obj.get("model_version"), 200),
             "hw_fingerprint": _text(obj.get("hw_fingerprint"), 200),
             "fw_fingerprint": _text(obj.get("fw_fingerprint"), 200)}
-    store.put_active(device, obj, meta, entries, now, seen)
-    return Outcome("active", device, "stored")
+    return _active_write(device, obj, meta, entries, now, seen, "stored")
+
+
+def _active_write(device: str, obj: dict | None, meta: dict, entries: list[dict], now: float, seen: float | None,
+                  detail: str) -> Write:
+    def write(store: FleetStore) -> Outcome:
+        store.put_active(device, obj, meta, entries, now, seen)
+        return Outcome("active", device, detail)
+    return write
 
 
 def record_uid(obj: dict) -> str:
@@ -183,7 +218,7 @@ def record_uid(obj: dict) -> str:
     return f"{rid}@{started!r}" if started is not None else rid
 
 
-def _record(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _record(device: str, sub: str, payload: bytes, retained: bool, now: float) -> Write:
     obj = wire.decode(payload, wire.TUNING_RECORD.sub)
     # the session fields sit at the top level; accept them nested under "session" too
     src = {**obj["session"], **obj} if isinstance(obj.get("session"), dict) else obj
@@ -202,13 +237,16 @@ def _record(store: FleetStore, device: str, sub: str, payload: bytes, retained: 
     }
     ts = _num(obj.get("ts")) or _num(src.get("finished_at")) or fields["started_at"]
     uid = record_uid(obj)
-    detail = store.put_record(device, uid, fields, obj, now, _seen(ts, retained, now))
-    if detail == "new":
-        log.info("record %s/%s from %s: %d measurements", kernel, workload, device, len(measurements))
-    else:
-        log.debug("record %s from %s: %s", uid, device, detail)
     rid = _ident(obj.get("record_id"))
-    return Outcome("record", device, detail, ack=wire.record_ack_key(rid) if rid else None)
+
+    def write(store: FleetStore) -> Outcome:
+        detail = store.put_record(device, uid, fields, obj, now, _seen(ts, retained, now))
+        if detail == "new":
+            log.info("record %s/%s from %s: %d measurements", kernel, workload, device, len(measurements))
+        else:
+            log.debug("record %s from %s: %s", uid, device, detail)
+        return Outcome("record", device, detail, ack=wire.record_ack_key(rid) if rid else None)
+    return write
 
 
 def _sample(device: str, payload: bytes, retained: bool, now: float) -> tuple[Sample, float | None]:
@@ -224,22 +262,28 @@ def _sample(device: str, payload: bytes, retained: bool, now: float) -> tuple[Sa
     return Sample(device, t, obj), _seen(t["ts"], retained, now)
 
 
-def _telemetry(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _telemetry(device: str, sub: str, payload: bytes, retained: bool, now: float) -> Write:
     x, seen = _sample(device, payload, retained, now)
-    new = store.put_telemetry(device, x.fields, x.payload, now, seen)
-    return Outcome("telemetry", device, "new" if new else "duplicate")
+
+    def write(store: FleetStore) -> Outcome:
+        new = store.put_telemetry(device, x.fields, x.payload, now, seen)
+        return Outcome("telemetry", device, "new" if new else "duplicate")
+    return write
 
 
-def _cmd_req(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _cmd_req(device: str, sub: str, payload: bytes, retained: bool, now: float) -> Write:
     obj = wire.decode(payload, wire.CMD_REQ.sub)
     cid = _ident(obj.get("id"))
     if cid is None:
         raise Malformed("cmd/req: no id")
-    store.put_command(device, cid, _text(obj.get("op"), 50), obj.get("args"), _num(obj.get("expires_at")), now)
-    return Outcome("cmd_req", device, "stored")
+
+    def write(store: FleetStore) -> Outcome:
+        store.put_command(device, cid, _text(obj.get("op"), 50), obj.get("args"), _num(obj.get("expires_at")), now)
+        return Outcome("cmd_req", device, "stored")
+    return write
 
 
-def _cmd_res(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _cmd_res(device: str, sub: str, payload: bytes, retained: bool, now: float) -> Write:
     cid = sub[len(CMD_RES.stem):]  # checked by parse_topic
     obj = wire.decode(payload, CMD_RES.sub)
     status = obj.get("status")
@@ -247,14 +291,17 @@ def _cmd_res(store: FleetStore, device: str, sub: str, payload: bytes, retained:
         raise Malformed(f"cmd/res: status {str(status)[:50]!r} is not one of {', '.join(COMMAND_STATES)}")
     if _ident(obj.get("id")) not in (None, cid):
         log.warning("cmd/res/%s from %s carries id %r; the topic wins", cid, device, obj.get("id"))
-    store.put_response(device, cid, status, obj.get("progress"), _text(obj.get("reason"), 2000), obj.get("result"),
-                       now)
-    return Outcome("cmd_res", device, status, ack=wire.result_ack_key(cid) if status in TERMINAL_STATES else None)
+
+    def write(store: FleetStore) -> Outcome:
+        store.put_response(device, cid, status, obj.get("progress"), _text(obj.get("reason"), 2000),
+                           obj.get("result"), now)
+        return Outcome("cmd_res", device, status, ack=wire.result_ack_key(cid) if status in TERMINAL_STATES else None)
+    return write
 
 
-def _model_state(store: FleetStore, device: str, sub: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _model_state(device: str, sub: str, payload: bytes, retained: bool, now: float) -> Write:
     if not payload:
-        return Outcome("model_state", device, "cleared")
+        return _done(Outcome("model_state", device, "cleared"))
     obj = wire.decode(payload, wire.MODEL_STATE.sub)
     state = obj.get("state")
     if state not in wire.MODEL_STATES:
@@ -262,11 +309,14 @@ def _model_state(store: FleetStore, device: str, sub: str, payload: bytes, retai
     fields = {"state": state, "rollout_id": _ident(obj.get("rollout_id")), "phase": _text(obj.get("phase"), 50),
               "version": _int(obj.get("version")), "reason": _text(obj.get("reason"), 100),
               "detail": _text(obj.get("detail"), 2000), "ts": _num(obj.get("ts"))}
-    moved = rollout_store.put_model_state(store, device, obj, fields, now, _seen(fields["ts"], retained, now))
-    return Outcome("model_state", device, "rollout" if moved else "stored")
+
+    def write(store: FleetStore) -> Outcome:
+        moved = rollout_store.put_model_state(store, device, obj, fields, now, _seen(fields["ts"], retained, now))
+        return Outcome("model_state", device, "rollout" if moved else "stored")
+    return write
 
 
-Handler = Callable[[FleetStore, str, str, bytes, bool, float], Outcome]
+Handler = Callable[[str, str, bytes, bool, float], Write]
 _HANDLERS: dict[wire.TopicSpec, Handler] = {
     wire.STATUS: _status, wire.INFO: _info, wire.CONFIG_ACTIVE: _active, wire.TUNING_RECORD: _record,
     wire.TELEMETRY: _telemetry, wire.CMD_REQ: _cmd_req, wire.CMD_RES: _cmd_res, wire.MODEL_STATE: _model_state,
@@ -290,7 +340,7 @@ def ingest(store: FleetStore, topic: str, payload: bytes, retained: bool = False
     now = time.time() if now is None else now
     payload = bytes(payload or b"")
     try:
-        return _dispatch(store, topic, payload, retained, now)
+        return _dispatch(topic, payload, retained, now)(store)
     except DBError:
         raise  # the DB, not the payload: the caller retries
     except Exception as e:  # Malformed, or whatever else an odd payload provoked: skip it, keep running
@@ -323,29 +373,27 @@ def ingest_batch(store: FleetStore, messages: Sequence[Incoming], now: float | N
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a batch knows about a message before its transaction: the device it is about (None: no device row to
-    touch), and for telemetry the validated sample or why it is malformed."""
+    """What a batch knows about a message before its transaction, all of it validated: the device it is about
+    (None: no device row to touch), and for telemetry the sample, for another message its write, or why it is
+    malformed."""
 
     device: str | None
     sample: Sample | None = None
     seen: float | None = None
+    write: Write | None = None
     error: Exception | None = None
 
 
 def _plan(topic: str, payload: bytes, retained: bool, now: float) -> _Plan:
     try:
         parsed = wire.parse_topic(topic)
-    except Exception:
-        return _Plan(None)  # stored as malformed inside the batch
-    if parsed.spec not in _HANDLERS:
-        return _Plan(None)
-    if parsed.spec is not wire.TELEMETRY:
-        return _Plan(parsed.device_id)
-    try:
-        x, seen = _sample(parsed.device_id, payload, retained, now)
-    except Exception as e:
+        if parsed.spec is wire.TELEMETRY:
+            x, seen = _sample(parsed.device_id, payload, retained, now)
+            return _Plan(parsed.device_id, sample=x, seen=seen)
+        write = _dispatch(topic, payload, retained, now)
+    except Exception as e:  # whatever a payload provokes in validation makes it malformed, as in `ingest`
         return _Plan(None, error=e)
-    return _Plan(parsed.device_id, x, seen)
+    return _Plan(parsed.device_id if parsed.spec in _HANDLERS else None, write=write)
 
 
 def _transaction(store: FleetStore, write: Callable[..., None], idx: list[int], messages: list[Incoming],
@@ -366,14 +414,9 @@ def _store_others(store: FleetStore, idx: list[int], messages: list[Incoming], p
                   out: list[Outcome | None], now: float) -> None:
     store.touch_devices({plans[i].device: None for i in idx if plans[i].device is not None}, now)
     for i in idx:
-        topic, payload, retained = messages[i]
-        if plans[i].error is not None:
-            out[i] = _malformed(store, topic, payload, now, plans[i].error)
-            continue
-        try:
-            out[i] = _dispatch(store, topic, payload, retained, now)
-        except ProtocolError as e:  # raised by validation, before the handler wrote anything
-            out[i] = _malformed(store, topic, payload, now, e)
+        topic, payload, _ = messages[i]
+        p = plans[i]
+        out[i] = _malformed(store, topic, payload, now, p.error) if p.write is None else p.write(store)
 
 
 def _store_telemetry(store: FleetStore, idx: list[int], messages: list[Incoming], plans: list[_Plan],
@@ -388,13 +431,14 @@ def _store_telemetry(store: FleetStore, idx: list[int], messages: list[Incoming]
     store.touch_devices(seen, now)  # last: the device rows stay locked only until the commit that follows
 
 
-def _dispatch(store: FleetStore, topic: str, payload: bytes, retained: bool, now: float) -> Outcome:
+def _dispatch(topic: str, payload: bytes, retained: bool, now: float) -> Write:
+    """The message validated by its topic's handler; its write."""
     parsed = wire.parse_topic(topic)
     handler = _HANDLERS.get(parsed.spec) if parsed.spec else None
     if handler is None:
         log.debug("ignoring %s: not a topic this fleet receiver knows", topic)
-        return Outcome("ignored", parsed.device_id, parsed.sub)
-    return handler(store, parsed.device_id, parsed.sub, payload, retained, now)
+        return _done(Outcome("ignored", parsed.device_id, parsed.sub))
+    return handler(parsed.device_id, parsed.sub, payload, retained, now)
 
 
 def _malformed(store: FleetStore, topic: str, payload: bytes, now: float, e: Exception) -> Outcome:

@@ -100,6 +100,7 @@ class Listener(Handler):
         self.on_outcome = on_outcome
         self.counts: Counter[str] = Counter()
         self.connected = threading.Event()
+        self.disconnected_since: float | None = time.time()  # since when not connected (None: connected)
         self.subscribed = threading.Event()
         self._cond = threading.Condition()  # guards counts
         self._stop = Wakeup()  # request_stop sets it from a signal handler
@@ -178,6 +179,7 @@ class Listener(Handler):
     def on_connect(self, conn: Connection, session_present: bool) -> None:
         with self._queued:
             self._retry = False
+        self.disconnected_since = None
         self.connected.set()
 
     def on_subscribe(self, conn: Connection, error: str | None) -> None:
@@ -188,6 +190,8 @@ class Listener(Handler):
         self.subscribed.set()
 
     def on_disconnect(self) -> None:
+        if self.connected.is_set():
+            self.disconnected_since = time.time()
         self.connected.clear()
         self.subscribed.clear()
 

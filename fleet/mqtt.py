@@ -10,6 +10,7 @@ from pathlib import Path
 
 from edgetune.broker import PROTOCOLS, BrokerSettings, TlsSettings
 from edgetune.errors import BadInput
+from fleet.text import whole_number
 
 PASSWORD_ENV = "EDGETUNE_MQTT_PASSWORD"
 KEEPALIVE_S = 30  # the fleet notices a dead broker sooner than a device needs to
@@ -33,9 +34,10 @@ def parse_broker(text: str, tls: bool = False) -> tuple[str, int]:
     port_s = m.group("port")
     if port_s is None or port_s == "":
         return host, 8883 if tls else 1883
-    if not port_s.isdigit() or not 0 < int(port_s) < 65536:
+    port = whole_number(port_s)
+    if port is None or not 0 < port < 65536:
         raise BadInput(f"--broker {text!r}: port {port_s!r} is not a number in 1..65535")
-    return host, int(port_s)
+    return host, port
 
 
 def add_broker_args(p: argparse.ArgumentParser) -> None:

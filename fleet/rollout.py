@@ -34,6 +34,7 @@ from edgetune import release as rel
 from edgetune.errors import BadInput
 from edgetune.protocol import CHUNK_BYTES, MODEL_FINAL_STATES, Topics, check_id, encode
 from fleet.store import FleetStore
+from fleet.text import whole_number
 
 DEFAULT_PHASES = (5.0, 25.0, 100.0)
 SELECT_FIELDS = ("isa", "arch", "cpu_model", "version", "model_version", "hw_fingerprint", "fw_fingerprint", "state")
@@ -187,7 +188,8 @@ def wire_rollout_id(rollout_id: str, attempt: int) -> str:
 def parse_rollout_id(wire_id: str) -> tuple[str, int]:
     """(rollout id, attempt) of a `rollout_id` a device reported."""
     base, sep, n = wire_id.rpartition(RETRY_SEP)
-    return (base, int(n)) if sep and n.isdigit() else (wire_id, 0)
+    attempt = whole_number(n) if sep else None
+    return (base, attempt) if attempt is not None else (wire_id, 0)
 
 
 def release_message(r: dict, rollback: bool, attempt: int = 0) -> bytes:

@@ -170,31 +170,42 @@ def set_state(store: FleetStore, rollout_id: str, allowed_from: tuple[str, ...],
     return bool(n)
 
 
-ACTIONS = {"pause": (("active",), "paused"), "resume": (("paused",), "active"),
-           "abort": (("active", "paused"), "aborted")}
+# action: (the states it is allowed from, the state it leads to, what a refusal says)
+ACTIONS = {"pause": (("active",), "paused", "only an active rollout can be paused"),
+           "resume": (("paused",), "active", "only a paused rollout can be resumed"),
+           "abort": (("active", "paused"), "aborted", "only an active or paused rollout can be aborted")}
+
+
+class Unknown(BadInput):
+    """No rollout, or no target device of it, by the name given (HTTP 404)."""
 
 
 def act(store: FleetStore, rollout_id: str, action: str, now: float, actor: str | None,
         reason: str | None) -> dict | None:
     """An operator's pause, resume or abort; the rollout afterwards, None if there is none by that id, BadInput
     when its state does not allow the action (the controller acts on the change at its next turn)."""
-    allowed, to = ACTIONS[action]
+    allowed, to, only = ACTIONS[action]
     r = rollout(store, rollout_id)
     if r is None:
         return None
     if not set_state(store, rollout_id, allowed, to, now, actor, reason):
         r = rollout(store, rollout_id) or r
-        raise BadInput(f"rollout {rollout_id} is {r['state']}: only a {' or '.join(allowed)} rollout can be {to}")
+        raise BadInput(f"rollout {rollout_id} is {r['state']}: {only}")
     return rollout(store, rollout_id)
 
 
 def retry(store: FleetStore, rollout_id: str, devices: list[str] | None, now: float, actor: str | None) -> list[str]:
     """Send the release again (with the next attempt's rollout_id) to the targets whose download or staging
     `failed` (disk full, download failed, interrupted, withdrawn) or that `timed_out`, all or those in `devices`; the devices retried.
-    BadInput unless the rollout is active or paused."""
+    Unknown when there is no such rollout or a named device is not one of its targets (nothing is retried then, as
+    a retune to an unknown device sends nothing); BadInput unless the rollout is active or paused."""
     r = rollout(store, rollout_id)
     if r is None:
-        raise BadInput(f"no rollout {rollout_id!r}; see `edgetune fleet rollout list`")
+        raise Unknown(f"no rollout {rollout_id!r}; see `edgetune fleet rollout list`")
+    known = {t["device_id"] for t in targets(store, rollout_id)}
+    strangers = [d for d in devices or [] if d not in known]
+    if strangers:
+        raise Unknown(f"rollout {rollout_id} does not target {', '.join(map(repr, strangers))}; nothing was retried")
     if r["state"] not in OPEN_ROLLOUT_STATES:
         raise BadInput(f"rollout {rollout_id} is {r['state']}: only an active or paused rollout retries devices")
     marks = ", ".join("?" for _ in RETRYABLE)

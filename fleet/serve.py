@@ -11,16 +11,20 @@ and uvicorn are imported only when serving, so the other verbs do not need them.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import signal
+import socket
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from edgetune.errors import BadInput
+from edgetune.errors import BadInput, EdgetuneError
 from edgetune.output import console, emit, json_flag, table
 from fleet.config import FleetConfig, load_fleet_config
 from fleet.mqtt import add_broker_args, broker_settings
+from fleet.store import FleetStore
 from fleet.tokens import ROLES, TokenStore
 
 log = logging.getLogger("fleet.serve")
@@ -37,6 +41,7 @@ def register(fs: argparse._SubParsersAction) -> None:
     q.add_argument("--share", metavar="GROUP", help="shared-subscription group (default [fleet] share_group): "
                                                    "receivers of one group split the messages")
     add_broker_args(q)
+    json_flag(q)
     q.set_defaults(func=cmd_serve)
 
     t = fs.add_parser("token", help="API tokens of the fleet server: create, list, revoke")
@@ -78,7 +83,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_fleet_config(args.config, host=args.host, port=args.port, share_group=args.share)
     opts = broker_settings(args)
     db = cfg.db
+    sock = listen_socket(cfg.host, cfg.port)
     listener = Listener(opts, db, client_id=args.client_id, share=cfg.share_group)  # opens (and migrates) the DB
+    _register_bundled(listener.store)
     auth = Auth(cfg.auth_path, session_s=cfg.session_hours * 3600, secure_cookies=cfg.secure_cookies,
                 anonymous_read=cfg.anonymous_read)
 
@@ -86,30 +93,67 @@ def cmd_serve(args: argparse.Namespace) -> int:
         send_command(opts, device, command, wait=False, timeout_s=10.0)
 
     def health() -> dict:
-        return {"listener": {"connected": listener.connected.is_set(), "subscribed": listener.subscribed.is_set(),
-                             "messages": listener.counts["messages"]}}
+        """Healthy while the receiver is connected: without the broker no device report reaches the fleet DB."""
+        return {"ok": listener.connected.is_set(),
+                "listener": {"connected": listener.connected.is_set(), "subscribed": listener.subscribed.is_set(),
+                             "messages": listener.counts["messages"], "broker": opts.label,
+                             "disconnected_since": listener.disconnected_since}}
 
     app = create_app(lambda: open_fleet_store(db, threads=True), auth,
                      Limits(cfg.stale_minutes * 60, cfg.retention_days * 86400), send, health)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
                                            server_header=False))
-    log.info("fleet server on http://%s:%d, db %s, broker %s", cfg.host, cfg.port, listener.store.path, opts.label)
-    # uvicorn takes SIGINT/SIGTERM while serving and re-raises them once it has stopped; with these handlers
-    # in place that re-raise stops the receiver cleanly instead of killing the process before it can.
+    def stop(signum: int, frame: object) -> None:
+        """uvicorn takes SIGINT/SIGTERM while serving and re-raises them once it has stopped: this then stops the
+        receiver cleanly instead of killing the process before it can. A signal before uvicorn took over (say from
+        a supervisor acting on the --json announcement at once) must stop uvicorn too, or it would serve on."""
+        server.should_exit = True
+        listener.request_stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: listener.request_stop())
+        signal.signal(sig, stop)
     listener.start()
     pruner = Pruner(db, cfg.retention_days).start()
     rollouts = RolloutController(opts, db).start()
     chunks = ChunkServer(opts, db, share=cfg.share_group or None).start()
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    emit({"url": f"http://{host}:{cfg.port}", "broker": opts.label, "db": str(listener.store.path),
+          "pid": os.getpid()}, args.json,
+         lambda d: log.info("fleet server on %s, db %s, broker %s", d["url"], d["db"], d["broker"]))
     try:
-        server.run()  # returns after a signal, once the open requests finished
+        server.run(sockets=[sock])  # returns after a signal, once the open requests finished
     finally:
         chunks.stop()
         rollouts.stop()
         pruner.stop()
         listener.stop()
+        sock.close()
     return 0 if server.started else 1
+
+
+def _register_bundled(store: FleetStore) -> None:
+    """Register v1, the bundled model, so the Rollouts page and API list the fleet's baseline from the start
+    rather than after the first `fleet model` verb; a server without the file still serves."""
+    from fleet import models as registry
+
+    try:
+        registry.ensure_bundled(store)
+    except EdgetuneError as e:
+        log.warning("the model registry lacks the bundled model v1: %s", e)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound and listening before anything else starts. A second server on a port in use must
+    stop here: its receiver, under the same default client id, would otherwise take over the running server's
+    broker session before the HTTP server found the port taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise BadInput(f"port {port} is in use ({host}:{port}: another fleet server or program listens there); "
+                           "pick another with --port") from None
+        raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --host or --port") from None
 
 
 def _tokens(args: argparse.Namespace) -> tuple[FleetConfig, TokenStore]:

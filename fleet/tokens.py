@@ -23,6 +23,7 @@ from pathlib import Path
 
 from edgetune.errors import BadInput
 from edgetune.sqlite import Schema, Store
+from fleet.text import whole_number
 
 ROLES = ("viewer", "operator")  # each role may do everything the roles before it may
 APP_ID = 0x45544131  # "ETA1"
@@ -122,8 +123,9 @@ class TokenStore(Store):
     def revoke(self, ref: str) -> Token:
         """Revoke by id or name; browser sessions opened with the token end with it."""
         r = self.query_one("SELECT * FROM tokens WHERE name=?", (ref,))
-        if r is None and ref.isdigit():
-            r = self.query_one("SELECT * FROM tokens WHERE id=?", (int(ref),))
+        token_id = whole_number(ref)
+        if r is None and token_id is not None:
+            r = self.query_one("SELECT * FROM tokens WHERE id=?", (token_id,))
         if r is None:
             raise BadInput(f"no token {ref!r} (an id or a name); see `edgetune fleet token list`")
         with self.tx() as c:

@@ -152,6 +152,9 @@ def build(spec: KernelSpec, cfg: Config, hw: Any, *, shape: Shape | None = None,
         lines = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines()
         why = "\n".join(lines[:8]) or f"{cc} exited with status {proc.returncode} and printed nothing"
         raise CompileError(f"{spec.name} {cfg}: compiler failed: {why}")
+    if not tmp.exists():
+        raise CompileError(f"{spec.name} {cfg}: {cc} exited 0 but wrote no shared object: is it a C compiler? "
+                           "set CC to gcc or clang")
     os.replace(tmp, out)  # atomic: a concurrent builder of the same key is harmless
     return Build(out, key, time.perf_counter() - t0, False)
 

@@ -49,16 +49,27 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     from hwprobe.target import describe
 
     hw = describe(args.isa)
+    specs = list(all_specs().values())
     out = []
-    for spec in all_specs().values():
-        out.append({
-            "name": spec.name, "domain": spec.domain, "summary": spec.summary,
-            "shape": [{"name": d.name, "help": d.help, **({"choices": list(d.choices)} if d.choices else {})} for d in spec.dims],
-            "knobs": {p.name: list(p.values) for p in spec.params},
-            "default": spec.default,
-            "workloads": [{"name": w.name, "shape": w.shape, "source": w.source,
-                           "space_size": spec.space(w.shape, hw).size()} for w in spec.workloads],
-        })
+    with progress(not args.json) as bar:  # counting the valid configs enumerates each space: seconds
+        task = bar.add_task("counting valid configs", total=sum(len(s.workloads) for s in specs)) if bar else None
+
+        def size(spec: KernelSpec, w: Workload) -> int:
+            n = spec.space(w.shape, hw).size()
+            if bar and task is not None:
+                bar.advance(task)
+            return n
+
+        for spec in specs:
+            out.append({
+                "name": spec.name, "domain": spec.domain, "summary": spec.summary,
+                "shape": [{"name": d.name, "help": d.help, **({"choices": list(d.choices)} if d.choices else {})}
+                          for d in spec.dims],
+                "knobs": {p.name: list(p.values) for p in spec.params},
+                "default": spec.default,
+                "workloads": [{"name": w.name, "shape": w.shape, "source": w.source, "space_size": size(spec, w)}
+                              for w in spec.workloads],
+            })
 
     def render(rows: list[dict]) -> None:
         table("bundled kernels", ["kernel", "domain", "shape (--shape)", "knobs", "workloads (valid configs)"], [

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetune.errors import BadInput
-from edgetune.output import console, emit, json_flag, table
+from edgetune.output import emit, json_flag, say, table
 from kernels.workload_files import BUNDLED, collect_workloads, expand_patterns, write_workloads_file
 
 
@@ -72,11 +72,11 @@ def cmd_import(args: argparse.Namespace) -> int:
         if d["skipped"]:
             table("not mapped", ["op", "nodes"], [[op, n] for op, n in d["skipped"].items()])
         if d["dynamic"]:
-            console.print(f"[yellow]dynamic dims left unset:[/yellow] {', '.join(d['dynamic'])} "
-                          f"(fix with {' '.join(f'--dim {n}=N' for n in d['dynamic'])})", highlight=False)
+            say(f"{', '.join(d['dynamic'])} (fix with {' '.join(f'--dim {n}=N' for n in d['dynamic'])})",
+                "dynamic dims left unset:", "yellow")
         for w in d["warnings"]:
-            console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
-        console.print(f"wrote {d['output']}", highlight=False)
+            say(w, "warning:", "yellow")
+        say(f"wrote {d['output']}")
 
     emit(data, args.json, render)
     return 0

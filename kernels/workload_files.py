@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from edgetune.atomic import write_atomic
-from edgetune.errors import BadInput, EdgetuneError
+from edgetune.atomic import write_output
+from edgetune.errors import BadInput
 from kernels.registry import all_specs, get_spec
 from kernels.space import Shape
 from kernels.spec import KernelSpec, Workload
-from kernels.workloads import custom_name
+from kernels.workloads import check_size, custom_name
 
 BUNDLED = "bundled"  # the pattern that stands for every spec's bundled workloads
 HEADER = "# edgetune workloads file"
@@ -67,7 +67,10 @@ def load_workload_files(patterns: list[str]) -> list[tuple[KernelSpec, Workload]
 def collect_workloads(patterns: list[str]) -> list[LoadedWorkload]:
     """Like load_workload_files, keeping counts (summed over duplicates) and origins for listings."""
     merged: dict[tuple[str, tuple[int, ...]], LoadedWorkload] = {}
-    named: dict[tuple[str, str], tuple[Shape, str]] = {}  # (kernel, name) → first shape and origin
+    # (kernel, name) → first shape and origin; the bundled names are taken whether or not "bundled" is listed, so a
+    # file cannot reuse one for another shape (applications load active configs by that name)
+    named: dict[tuple[str, str], tuple[Shape, str]] = {
+        (s.name, w.name): (dict(w.shape), BUNDLED) for s in all_specs().values() for w in s.workloads}
     for origin, spec, entry in _entries(patterns):
         name = entry.name or custom_name(spec, entry.shape)
         seen = named.setdefault((spec.name, name), (entry.shape, origin))
@@ -93,10 +96,7 @@ def write_workloads_file(path: str | Path, entries: Iterable[WorkloadEntry], com
     path = Path(path)
     text = dumps(entries, comment)
     _parse(text, str(path))
-    try:
-        write_atomic(path, text.encode("utf-8"), mode=0o644)  # 0644: the daemon may run as another user
-    except OSError as e:
-        raise EdgetuneError(f"cannot write {path}: {e.strerror}") from e
+    write_output(path, text.encode("utf-8"))
 
 
 def dumps(entries: Iterable[WorkloadEntry], comment: str = "") -> str:
@@ -191,7 +191,7 @@ def _entry(raw: Any, where: str) -> tuple[KernelSpec, WorkloadEntry]:
         bad = [k for k, v in shape.items() if type(v) is not int]
         if bad:
             raise BadInput(f"shape value(s) {', '.join(f'{k}={shape[k]!r}' for k in bad)} must be integers")
-        shape = spec.validate_shape(shape)
+        shape = check_size(spec, spec.validate_shape(shape))
     except BadInput as e:
         raise BadInput(f"{where}: {e}") from e
     name = raw.get("name")

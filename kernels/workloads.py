@@ -35,14 +35,20 @@ def custom_name(spec: KernelSpec, shape: Shape) -> str:
     return "custom." + "-".join(f"{d.name}{shape[d.name]}" for d in spec.dims)
 
 
-def custom_workload(spec: KernelSpec, shape_text: str) -> Workload:
-    shape = spec.validate_shape(parse_shape_text(spec, shape_text))
+def check_size(spec: KernelSpec, shape: Shape) -> Shape:
+    """`shape` if its buffers fit the cap: every user shape (--shape, a workloads file) is checked before a
+    worker tries to allocate it."""
     mb, cap = spec.bytes_moved(shape) / 1e6, max_input_mb()
     if mb > cap:
         raise BadInput(
             f"{spec.name} shape {shape} needs about {mb:,.0f} MB of buffers, over the {cap:,.0f} MB cap "
             "(raise it with EDGETUNE_MAX_INPUT_MB)"
         )
+    return shape
+
+
+def custom_workload(spec: KernelSpec, shape_text: str) -> Workload:
+    shape = check_size(spec, spec.validate_shape(parse_shape_text(spec, shape_text)))
     return Workload(custom_name(spec, shape), shape, "custom shape")
 
 

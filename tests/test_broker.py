@@ -203,3 +203,31 @@ def test_backoff_grows_with_failures_and_stays_under_the_cap():
         delays = [backoff(failures, 0.5, 3.0) for _ in range(200)]
         assert all(0.5 <= d <= min(3.0, 0.5 * 2 ** failures) for d in delays)
     assert max(backoff(10, 0.5, 3.0) for _ in range(200)) > 1.5  # jittered over the whole range, up to the cap
+
+
+def test_two_clients_with_one_client_id_back_off_instead_of_flapping(mosquitto, monkeypatch, caplog):
+    """Two devices cloned from one image share a client id: the broker closes each one's connection when the
+    other connects. A connection that short counts as a failure, so the backoff grows (and the log says why)."""
+    import edgetune.broker as broker_mod
+
+    seen: list[int] = []
+    cond = threading.Condition()
+
+    def recording_backoff(failures: int, low: float, cap: float) -> float:
+        with cond:
+            seen.append(failures)
+            cond.notify_all()
+        return 0.05
+
+    monkeypatch.setattr(broker_mod, "backoff", recording_backoff)
+    same = f"t-{uuid.uuid4().hex[:10]}"
+    a = Client(settings(mosquitto), same, Recorder()).start()
+    b = Client(settings(mosquitto), same, Recorder()).start()
+    try:
+        with cond:
+            assert cond.wait_for(lambda: len(seen) >= 8, T), seen
+        assert max(seen) >= 3, seen  # unbroken runs of short connections, not a reset to 0 after each connect
+        assert "another client may be connecting with client id" in caplog.text
+    finally:
+        a.stop()
+        b.stop()

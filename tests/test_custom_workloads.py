@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,6 +35,10 @@ def test_tune_custom_shape_then_report_pin_verify():
     pin = _cli("pin", "dwconv_3x3", "H=20,W=20,C=96,stride=1", '{"vec": 4}', "--json")
     assert pin.returncode == 0, pin.stderr
     assert json.loads(_cli("report", "--json").stdout)[0]["config"]["vec"] == 4
+    un = _cli("unpin", "dwconv_3x3", "H=20,W=20,C=96,stride=1", "--json")  # the shape, as pin took it
+    assert un.returncode == 0 and json.loads(un.stdout) == {"unpinned": 1}, un.stderr
+    un = _cli("unpin", "dwconv_3x3", "no.such.layer")
+    assert un.returncode == 2 and "no pin for dwconv_3x3/no.such.layer" in un.stderr
 
 
 def test_tune_table_says_where_the_time_went():
@@ -96,3 +101,52 @@ def test_import_onnx_then_tune_exactly_those_layers(tmp_path):
     imported = {(w["kernel"], w["name"]) for w in tomllib.loads(wl_file.read_text())["workload"]}
     rep = json.loads(_cli("report", "--json").stdout)
     assert {(r["kernel"], r["workload"]) for r in rep} == imported and len(imported) == 2
+    v = _cli("verify", "--threshold", "10", "--json")  # every active config, imported ones without their file
+    assert v.returncode == 0, v.stderr
+    assert {(r["kernel"], r["workload"]) for r in json.loads(v.stdout)} == imported
+    kernel, name = sorted(imported)[0]
+    v = _cli("verify", "--workload", name, "--threshold", "10", "--json")
+    assert v.returncode == 0 and [r["workload"] for r in json.loads(v.stdout)] == [name], v.stderr
+    pin = _cli("pin", kernel, name, "{}", "--json")
+    assert pin.returncode == 0 and json.loads(pin.stdout)["workload"] == name, pin.stderr
+    bad = _cli("verify", "--workload", "no.such.layer")
+    assert bad.returncode == 2 and "no active config for workload 'no.such.layer'" in bad.stderr
+
+
+def test_a_workloads_file_cannot_reuse_a_bundled_name_for_another_shape(tmp_path):
+    """Applications load an active config by its workload name: a file's kws_dscnn.fc of another shape would
+    replace the bundled layer's config, so tune refuses it as `workloads list` does."""
+    f = tmp_path / "clash.toml"
+    f.write_text('[[workload]]\nkernel = "gemm"\nname = "kws_dscnn.fc"\nshape = { M = 2, N = 12, K = 64 }\n')
+    p = _cli("tune", "--workloads", str(f), "--budget", "2")
+    err = " ".join(p.stderr.split())  # rich wraps long lines
+    assert p.returncode == 2 and "in bundled" in err and "a name must mean one shape" in err, err
+    assert _cli("report", "--json").stdout.strip() == "[]"
+
+
+def test_tune_refuses_a_workload_and_a_shape_together():
+    p = _cli("tune", "--kernel", "gemm", "--workload", "kws_dscnn.fc", "--shape", "M=1,N=2,K=3")
+    assert p.returncode == 2 and "not both" in p.stderr
+
+
+def test_user_values_print_verbatim_not_as_markup(tmp_path):
+    """Errors and tables go through rich: a name holding `[/x]` must not crash it, `[bold]` must not vanish."""
+    p = _cli("bench", "[/x]", "--workload", "a")
+    assert p.returncode == 2 and "unknown kernel '[/x]'" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    p = _cli("bench", "gemm", "--workload", "[bold]kws")
+    assert p.returncode == 2 and "'[bold]kws'" in p.stderr, p.stderr
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[tuning]\nobjective = "energy"\n')
+    p = _cli("config", "check", "--config", str(cfg))
+    assert p.returncode == 2 and "set [power] meter" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("var, verb", [("STATE_DIRECTORY", ("report",)),
+                                       ("CACHE_DIRECTORY", ("bench", "gemm", "--workload", "kws_dscnn.fc"))])
+def test_an_unusable_state_or_cache_dir_is_a_clear_error(tmp_path, var, verb):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    p = _cli(*verb, env={**os.environ, var: str(blocker)})
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    err = " ".join(p.stderr.split())
+    assert f"cannot use {blocker}" in err and "not a directory" in err and f"set {var}" in err, err

@@ -103,18 +103,22 @@ def test_expired_unknown_and_invalid_are_rejected_with_reasons(rig):
         "bad-args": ({"id": "bad-args", "op": "retune", "args": {"budget": "lots"}}, "bad args"),
         "bad-kernel": ({"id": "bad-kernel", "op": "retune", "args": {"kernels": ["nope"]}}, "unknown kernel"),
         "bad-extra": ({"id": "bad-extra", "op": "ping", "args": {"x": 1}}, "bad args"),
+        "bad-path": ({"id": "bad-path", "op": "retune", "args": {"workloads": ["../../etc/passwd"]}},
+                     "unknown workload '../../etc/passwd'"),
     }
     for doc, _ in cases.values():
         send(bus, doc)
-    for cid, (_, why) in cases.items():
+    for cid, (doc, why) in cases.items():
         res = bus.on(f"/cmd/res/{cid}")
         assert res["status"] == "rejected" and why in res["reason"], res
+        assert res["op"] == (doc["op"] if cid != "bad-op" else None), res  # the record says what was refused
     send(bus, {"id": "fresh", "op": "ping", "expires_at": time.time() + 600})
     assert bus.on("/cmd/res/fresh", lambda c: c["status"] != "accepted")["status"] == "succeeded"
 
     for payload, why in ((b"\xff\xfe not json", "not JSON"), (b"[1, 2]", "not a JSON object"),
                          (json.dumps({"id": "x" * 20000, "op": "ping"}).encode(), "oversized"),
-                         (b'{"op": "ping"}', "id"), (b'{"id": "a/b#", "op": "ping"}', "id")):
+                         (b'{"op": "ping"}', "id"), (b'{"id": "a/b#", "op": "ping"}', "id"),
+                         (b'{"id": "invalid", "op": "ping"}', "reserved")):
         sha = hashlib.sha256(payload).hexdigest()
         send(bus, payload)
         res = bus.on("/cmd/res/invalid", lambda c, sha=sha: c["request_sha256"] == sha)
@@ -156,6 +160,8 @@ def test_local_retune_wait_and_bad_input(rig):
     bus.on(f"/cmd/res/{res['id']}", lambda c: c["status"] == "succeeded")  # reported to the fleet as well
     r = d.cli("retune", "--kernel", "nope")
     assert r.returncode == 2 and "unknown kernel" in r.stderr
+    r = d.cli("retune", "--kernel", "gemm", "--budget", "0")  # checked like any budget, not dropped as falsy
+    assert r.returncode == 2 and "budget must be an integer 1-100000" in r.stderr, r.stderr
     st = json.loads(d.cli("status", "--json").stdout)
     assert st["queue"] == {"jobs": 0, "targets": 0} and st["state"] == "idle"
 

@@ -436,6 +436,25 @@ def test_retune_without_wait_just_sends(mosquitto):
     fake.close()
 
 
+def test_retune_cli_refuses_a_device_the_fleet_db_never_heard_from(mosquitto, tmp_path):
+    db = tmp_path / "fleet.db"
+    with FleetStore(db) as store:
+        status = {"state": "online", "session": 1, "ts": time.time()}
+        ingest(store, f"edgetune/v1/{DEV}/status", json.dumps(status).encode())
+    ghost = FakeResponder(mosquitto, [], device="ghost")
+    common = ["--broker", f"{mosquitto.host}:{mosquitto.port}", "--db", str(db), "--json"]
+    r = edgetune("fleet", "retune", "ghost", *common)
+    assert r.returncode == 2 and "'ghost'" in r.stderr and "--any-device" in r.stderr and r.stdout == ""
+    r = edgetune("fleet", "retune", DEV, *common)
+    assert r.returncode == 0 and json.loads(r.stdout)["known"] is True
+    r = edgetune("fleet", "retune", "ghost", "--any-device", *common)
+    assert r.returncode == 0 and json.loads(r.stdout)["known"] is False
+    assert ghost.got.wait(T) and ghost.requests[0]["id"] == json.loads(r.stdout)["id"]  # the refused one never went
+    ghost.close()
+    r = edgetune("fleet", "retune", "ghost", "--broker", f"{mosquitto.host}:{mosquitto.port}", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["known"] is None  # no fleet DB here to ask
+
+
 def test_bad_input_exits_2_and_missing_db_exits_1(tmp_path):
     r = edgetune("fleet", "retune", DEV, "--budget", "0", "--broker", "localhost:1883")
     assert r.returncode == 2 and "--budget" in r.stderr

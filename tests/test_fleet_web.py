@@ -7,18 +7,21 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.broker import Mosquitto
-from tests.fleet_server import FleetServer, form
+from tests.broker import Mosquitto, free_port
+from tests.fleet_server import REPO, FleetServer, form
 from tests.test_daemon_support import Bus, env_for
 from tests.test_fleet import ACTIVE, HW, Device, record
 
 ONE = "/api/v1/devices/dev-1"
+FORM_TYPE = "application/x-www-form-urlencoded"
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +316,304 @@ def test_config_file_sets_where_the_server_keeps_its_data(tmp_path, mosquitto):
         assert r.status == 403 and "operator" in r.doc["error"]
     finally:
         server.stop()
+
+
+# ---- audit fixes: robustness of pages, API errors, rollouts, releases and the serve verb -------------------------
+
+def _publish_from(broker, topic_payloads: list[tuple[str, dict | bytes]]) -> None:
+    """Publish on other devices' topics from one client, in order: the receiver gets them in this order, so the last
+    one having arrived means the others were handled."""
+    client = Device(broker, f"pub-{uuid.uuid4().hex[:6]}")
+    for topic, payload in topic_payloads:
+        info = client.c.publish(topic, payload if isinstance(payload, bytes) else json.dumps(payload), qos=1)
+        info.wait_for_publish(15)
+    client.close()
+
+
+def _online(device: str) -> tuple[str, dict]:
+    return f"edgetune/v1/{device}/status", {"state": "online", "session": 1, "version": "0.1.0", "ts": time.time()}
+
+
+def _device_known(server: FleetServer, token: str, device: str) -> dict:
+    return server.wait_json(f"/api/v1/devices/{device}", token, lambda d: True)
+
+
+def test_a_model_state_without_current_still_renders_the_device_page(rig):
+    server, tokens, _ = rig
+    name = f"ms-{uuid.uuid4().hex[:6]}"
+    # docs/protocol.md: only `state` is required; `current` may be null or absent
+    _publish_from(server.broker, [(f"edgetune/v1/{name}/model/state", {"state": "committed", "rollout_id": 7}),
+                                  _online(name)])
+    server.wait_json(f"/api/v1/devices/{name}", tokens["viewer"], lambda d: d["model_state"] is not None)
+    d = server.get(f"/api/v1/devices/{name}", tokens["viewer"]).doc
+    assert d["model_state"]["current"] is None and d["model_state"]["rollout_id"] == "7"
+    r = server.get(f"/devices/{name}", tokens["viewer"])
+    assert r.status == 200, r.text
+    assert "tuner model: ?" in r.text
+
+
+def test_absurd_speedups_are_stored_as_unknown_and_the_speedups_page_renders(rig):
+    server, tokens, _ = rig
+    name = f"huge-{uuid.uuid4().hex[:6]}"
+    active = {"kernels": {"gemm/pw1": {"config": {}, "ms": 0.5, "default_ms": 1.0, "speedup": 1e308},
+                          "conv1d/ds1": {"config": {}, "ms": 1e-300, "default_ms": 1.0}}}
+    _publish_from(server.broker, [(f"edgetune/v1/{name}/config/active", active), _online(name)])
+    d = server.wait_json(f"/api/v1/devices/{name}", tokens["viewer"], lambda d: len(d["active"]) == 2)
+    assert [a["speedup"] for a in d["active"]] == [None, None]
+    r = server.get("/speedups", tokens["viewer"])
+    assert r.status == 200, r.text
+    assert name not in json.dumps(server.get("/api/v1/speedups", tokens["viewer"]).doc)
+
+
+def test_speedups_stored_before_the_check_stay_off_the_plot_scale(tmp_path):
+    from fleet.store import FleetStore
+    from fleet.web import views
+
+    with FleetStore(tmp_path / "f.db") as store:
+        for device, speedup in (("old", 1e308), ("inf", float("inf")), ("ok", 2.0)):
+            store.put_active(device, {}, {}, [{"slot": "gemm/pw1", "kernel": "gemm", "workload": "pw1", "config": {},
+                                               "ms": 1.0, "default_ms": 1.0, "speedup": speedup, "evals": None,
+                                               "tuning_s": None, "strategy": None, "tuned_at": None, "entry": {}}],
+                             time.time(), None)
+        rows = views.speedups(store)
+    assert [p["device_id"] for p in rows[0]["points"]] == ["ok"]
+    assert views.strip_scale(rows)["hi"] == 1
+
+
+def test_a_second_server_on_a_port_in_use_fails_before_touching_the_broker(rig):
+    server, tokens, _ = rig
+    broker_log = server.broker.workdir / "mosquitto.log"
+    takeovers = broker_log.read_text().count("already connected")
+    r = server.cli("fleet", "serve", "--broker", f"{server.broker.host}:{server.broker.port}",
+                   "--port", str(server.port))
+    assert r.returncode == 2, r.stderr
+    assert f"error: port {server.port} is in use" in r.stderr and "--port" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert broker_log.read_text().count("already connected") == takeovers  # the receiver was never started
+    assert server.get("/healthz").doc["listener"]["connected"]
+
+
+@pytest.mark.parametrize("digits", ["%C2%B2", "%D9%A1", "%2B5", "1_0"])
+def test_telemetry_limit_takes_ascii_digits_only(rig, digits):
+    server, tokens, _ = rig
+    r = server.get(f"{ONE}/telemetry?limit={digits}", tokens["viewer"])
+    assert r.status == 400 and "limit" in r.doc["error"], r.text
+    r = server.get(f"/api/v1/devices?limit={digits}", tokens["viewer"])
+    assert r.status == 400 and "limit" in r.doc["error"], r.text
+
+
+def test_retune_form_with_a_unicode_budget_is_a_400_and_sends_nothing(rig):
+    server, tokens, bus = rig
+    since = len(bus.msgs)
+    session, csrf = _login(server, tokens["operator"])
+    r = server.request("POST", "/devices/dev-1/retune", form({"budget": "²", "csrf": csrf}),
+                       headers={"Content-Type": "application/x-www-form-urlencoded", "Cookie": session})
+    assert r.status == 400 and "budget" in r.text, r.text
+    barrier(server, bus, tokens["operator"], since)
+
+
+def test_unicode_digits_in_cli_arguments_are_refused_cleanly(rig):
+    server, _, _ = rig
+    r = server.cli("fleet", "token", "revoke", "²")
+    assert r.returncode == 2 and "no token" in r.stderr and "Traceback" not in r.stderr
+    r = server.cli("fleet", "retune", "dev-1", "--broker", "127.0.0.1:²")
+    assert r.returncode == 2 and "port" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("verb", [("fleet", "serve", "--broker", "127.0.0.1:1"), ("fleet", "token", "list", "--json")])
+def test_an_unusable_state_dir_is_a_clean_error_naming_it(tmp_path, verb):
+    env = os.environ | {"STATE_DIRECTORY": "/proc/nope"}
+    r = FleetServer(Mosquitto(tmp_path / "unused"), env).cli(*verb)
+    assert r.returncode in (1, 2), r.stderr
+    assert r.stderr.startswith("error: ") and "/proc/nope" in r.stderr and "STATE_DIRECTORY" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unmatched_api_paths_answer_json_like_other_api_errors(rig):
+    server, tokens, _ = rig
+    r = server.get("/api/v1/nope", tokens["viewer"])
+    assert r.status == 404 and r.headers["Content-Type"] == "application/json" and "/api/v1/nope" in r.doc["error"]
+    r = server.request("DELETE", "/api/v1/overview", token=tokens["viewer"])
+    assert r.status == 405 and "GET" in r.doc["error"] and "GET" in r.headers["Allow"]
+    r = server.get("/nope", tokens["viewer"])
+    assert r.status == 404 and r.headers["Content-Type"].startswith("text/plain")
+
+
+def test_a_rejected_status_creates_no_device(rig):
+    server, tokens, _ = rig
+    bad, good = f"bad-{uuid.uuid4().hex[:6]}", f"good-{uuid.uuid4().hex[:6]}"
+    _publish_from(server.broker, [(f"edgetune/v1/{bad}/status", {"state": "exploded", "ts": time.time()}),
+                                  _online(good)])
+    _device_known(server, tokens["viewer"], good)
+    assert server.get(f"/api/v1/devices/{bad}", tokens["viewer"]).status == 404
+    assert server.get("/api/v1/overview", tokens["viewer"]).doc["statuses"]["unknown"] == 0
+
+
+def test_the_registry_lists_the_bundled_model_from_the_start(rig):
+    server, tokens, _ = rig
+    r = server.get("/api/v1/rollouts", tokens["viewer"]).doc
+    assert r["baseline"] == 1 and [m["version"] for m in r["models"]][:1] == [1]
+    page = server.get("/rollouts", tokens["viewer"]).text
+    table = page.split('id="model-table"')[1]
+    assert "<td>v1 <span class=\"badge\">baseline</span>" in table and "no-models" not in table
+
+
+def _release(server: FleetServer, token: str) -> tuple[str, int]:
+    m = server.get("/api/v1/rollouts", token).doc["models"][0]
+    return m["sha256"], m["size"]
+
+
+def test_release_answers_304_to_its_etag(rig):
+    server, tokens, _ = rig
+    sha, size = _release(server, tokens["viewer"])
+    for tag in (f'"{sha}"', f'W/"{sha}"', f'"other", "{sha}"', "*"):
+        r = server.request("GET", f"/releases/{sha}", headers={"If-None-Match": tag})
+        assert r.status == 304 and r.body == b"" and r.headers["ETag"] == f'"{sha}"', tag
+    r = server.request("GET", f"/releases/{sha}", headers={"If-None-Match": '"other"'})
+    assert r.status == 200 and len(r.body) == size
+
+
+def test_release_ignores_a_range_it_cannot_use_and_refuses_one_past_the_end(rig):
+    server, tokens, _ = rig
+    sha, size = _release(server, tokens["viewer"])
+    whole = server.get(f"/releases/{sha}").body
+    for bad in ("bytes=100-50", "bytes=abc", "bytes=", "items=0-1", "nonsense"):
+        r = server.request("GET", f"/releases/{sha}", headers={"Range": bad})
+        assert r.status == 200 and r.body == whole, bad
+    r = server.request("GET", f"/releases/{sha}", headers={"Range": "bytes=10-19"})
+    assert r.status == 206 and r.body == whole[10:20]
+    r = server.request("GET", f"/releases/{sha}", headers={"Range": f"bytes={size}-"})
+    assert r.status == 416 and r.headers["Content-Range"] == f"bytes */{size}"
+
+
+@pytest.fixture(scope="module")
+def rollout_id(rig, tmp_path_factory) -> str:
+    """A rollout of a second model to the rig's devices, published by the real CLI."""
+    from tests.test_rollout import model_file
+
+    server, _, _ = rig
+    tmp = tmp_path_factory.mktemp("rollout")
+    key = tmp / "keys" / "release.key"
+    assert server.cli("fleet", "key", "create", "--out", str(key)).returncode == 0
+    r = server.cli("fleet", "model", "add", str(model_file(tmp, 16)), "--json")
+    assert r.returncode == 0, r.stderr
+    r = server.cli("fleet", "model", "publish", str(json.loads(r.stdout)["version"]), "--key", str(key),
+                   "--devices", "dev-1,dev-2", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["rollout"]
+
+
+@pytest.mark.parametrize("action", ["pause", "retry"])
+@pytest.mark.parametrize("body,ctype", [(b"{not json", "application/json"), (b"reason=x", FORM_TYPE),
+                                        (b'{"colour": 1}', "application/json")])
+def test_rollout_action_with_a_bad_body_is_a_400(rig, rollout_id, action, body, ctype):
+    server, tokens, _ = rig
+    r = server.request("POST", f"/api/v1/rollouts/{rollout_id}/{action}", body, token=tokens["operator"],
+                       headers={"Content-Type": ctype})
+    assert r.status == 400, r.text
+    assert server.get(f"/api/v1/rollouts/{rollout_id}", tokens["viewer"]).doc["state"] == "active"
+
+
+def test_rollout_retry_of_a_device_it_does_not_target_is_a_404(rig, rollout_id):
+    server, tokens, _ = rig
+    r = server.post_json(f"/api/v1/rollouts/{rollout_id}/retry", {"devices": ["nope", "dev-1"]}, tokens["operator"])
+    assert r.status == 404 and "'nope'" in r.doc["error"] and "'dev-1'" not in r.doc["error"], r.text
+    r = server.post_json("/api/v1/rollouts/nope/retry", {}, tokens["operator"])
+    assert r.status == 404 and "nope" in r.doc["error"]
+
+
+def test_rollout_forms_answer_400_for_a_bad_reason_and_404_for_no_rollout(rig, rollout_id):
+    server, tokens, _ = rig
+    session, csrf = _login(server, tokens["operator"])
+    post = lambda path, fields: server.request(  # noqa: E731
+        "POST", path, form({**fields, "csrf": csrf}), headers={"Content-Type": FORM_TYPE, "Cookie": session})
+    r = post(f"/rollouts/{rollout_id}/pause", {"reason": "x" * 501})
+    assert r.status == 400 and "reason" in r.text, r.text
+    for action in ("retry", "abort", "pause"):
+        r = post(f"/rollouts/nope/{action}", {})
+        assert r.status == 404 and "nope" in r.text, (action, r.text)
+
+
+def test_rollout_state_conflicts_say_what_the_action_needs(rig, rollout_id):
+    server, tokens, _ = rig
+    op = tokens["operator"]
+    act = lambda a: server.post_json(f"/api/v1/rollouts/{rollout_id}/{a}", {}, op)  # noqa: E731
+    r = act("resume")
+    assert r.status == 409 and r.doc["error"].endswith("is active: only a paused rollout can be resumed"), r.text
+    assert act("pause").status == 200
+    r = act("pause")
+    assert r.status == 409 and r.doc["error"].endswith("is paused: only an active rollout can be paused"), r.text
+    assert act("resume").status == 200 and act("abort").status == 200
+    r = act("abort")
+    assert r.status == 409 and r.doc["error"].endswith("only an active or paused rollout can be aborted"), r.text
+
+
+def test_healthz_and_every_page_tell_when_the_broker_is_gone(tmp_path):
+    broker = Mosquitto(tmp_path / "broker").start()
+    server = FleetServer(broker, env_for(tmp_path, tmp_path / "cache")).start()
+    try:
+        token = server.token("viewer")
+        ok = server.get("/healthz")
+        assert ok.status == 200 and ok.doc["ok"] and "broker-down" not in server.get("/", token).text
+        broker.stop()
+        deadline = time.monotonic() + 30
+        while (h := server.get("/healthz")).status != 503:  # an event to await: the receiver noticing
+            assert time.monotonic() < deadline, h.text
+            time.sleep(0.05)
+        assert h.doc["ok"] is False and h.doc["listener"]["disconnected_since"] <= time.time()
+        for page in ("/", "/devices"):
+            html = server.get(page, token).text
+            assert f"Not connected to the MQTT broker mqtt://{broker.host}:{broker.port} since" in html, page
+            assert "device reports are not being received" in html
+        broker.start()
+        deadline = time.monotonic() + 60
+        while (h := server.get("/healthz")).status != 200:  # the receiver reconnecting
+            assert time.monotonic() < deadline, h.text
+            time.sleep(0.05)
+        assert "broker-down" not in server.get("/", token).text
+    finally:
+        server.stop()
+        broker.stop()
+
+
+def _serve_json(env: dict[str, str], broker: Mosquitto, port: int) -> tuple[subprocess.Popen, dict]:
+    """`fleet serve --json` and its announcement (one JSON object, read up to its closing brace)."""
+    proc = subprocess.Popen([sys.executable, "-m", "edgetune.main", "fleet", "serve", "--json", "--broker",
+                             f"{broker.host}:{broker.port}", "--port", str(port)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.rstrip() == "}":
+            break
+    return proc, json.loads("".join(lines))
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """SIGTERM, and the exit it must lead to (killed if it does not come); its stderr."""
+    proc.terminate()
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"fleet serve did not stop on SIGTERM:\n{proc.communicate()[1]}") from None
+    assert proc.returncode == 0, err
+    return err
+
+
+def test_serve_json_announces_where_it_serves_on_stdout(tmp_path, mosquitto):
+    port = free_port()
+    env = env_for(tmp_path, tmp_path / "cache")
+    proc, ready = _serve_json(env, mosquitto, port)
+    try:
+        assert ready == {"url": f"http://127.0.0.1:{port}", "broker": f"mqtt://{mosquitto.host}:{mosquitto.port}",
+                         "db": str(Path(env["STATE_DIRECTORY"]) / "fleet.db"), "pid": proc.pid}
+        s = FleetServer(mosquitto, env, port=port)
+        assert s.get("/healthz").doc["time"] > 0
+    finally:
+        _stop(proc)
+
+
+def test_serve_stops_on_a_signal_right_after_its_announcement(tmp_path, mosquitto):
+    proc, _ = _serve_json(env_for(tmp_path, tmp_path / "cache"), mosquitto, free_port())
+    _stop(proc)  # at once: before uvicorn may have taken over the signal handling

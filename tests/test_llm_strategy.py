@@ -251,6 +251,23 @@ def test_train_from_records_jsonl(tmp_path):
     assert len(res.proposals) == 3
 
 
+@pytest.mark.parametrize("records, args, needle", [
+    (b"garbage\n", (), "holds no tuning sessions"),
+    (bytes(range(256)) * 8, (), "cannot be read as records"),  # a binary file that is not SQLite
+    (b'{"kernel": "gemm", "measurements": []}\n', ("--steps", "0"), "--steps 0: give a positive number"),
+    (b'{"kernel": "gemm", "measurements": []}\n', ("--max-minutes", "-1"), "--max-minutes -1"),
+    (b'{"kernel": "gemm", "measurements": []}\n', ("--out", "FILE"), "is a file"),
+])
+def test_train_refuses_bad_input_before_training(tmp_path, records, args, needle):
+    """Minutes of training are not spent on a wrong file or a nonsense setting: exit 2, the value named."""
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(records)
+    args = tuple(str(path) if a == "FILE" else a for a in args)
+    p = subprocess.run([sys.executable, "-m", "edgetune.main", "train", "--records", str(path), "--no-base", *args],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 2 and needle in " ".join(p.stderr.split()) and "Traceback" not in p.stderr, p.stderr
+
+
 def test_when_the_model_has_nothing_left_local_search_takes_over_and_stops(hw):
     """Over a space of 7 configs the model runs out of unmeasured proposals; the strategy goes on from the
     incumbent by local search (never a config twice) and stops on its own."""
@@ -270,3 +287,19 @@ def test_when_the_model_has_nothing_left_local_search_takes_over_and_stops(hw):
             s.tell(c, Measurement(ok=True, ms=1.0 + 0.1 * len(seen)))
     assert len(seen) == len(set(seen)) and set(seen) == {config_key(c) for c in table}
     assert s.refiner is not None and s.fallback is None
+
+
+def test_the_tune_table_and_report_say_when_llm_fell_back_to_anneal(tmp_path):
+    """A session that ran anneal for want of a model must not read as the model's work."""
+    env = {**os.environ, "EDGETUNE_MODEL": str(tmp_path / "missing.gguf")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "edgetune.main", *args], capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    p = cli("tune", "--kernel", "gemm", "--workload", "kws_dscnn.fc", "--budget", "2")
+    assert p.returncode == 0 and "fell back to anneal" in " ".join(p.stdout.split()), p.stdout + p.stderr
+    p = cli("report")
+    assert "fell back to anneal" in " ".join(p.stdout.split()), p.stdout
+    (row,) = json.loads(cli("report", "--json").stdout)
+    assert row["strategy"] == "llm" and row["strategy_version"].endswith("-anneal-fallback")

@@ -384,6 +384,8 @@ def test_file_defaults_strings_and_merging(tmp_path):
     ('[[workload]]\nkernel = "gemm"\nname = "a/b"\nshape = { M = 1, N = 2, K = 3 }\n', r"#1: name 'a/b' must be"),
     ('[[workload]]\nkernel = "gemm"\nname = "custom.M9-N9-K9"\nshape = { M = 1, N = 2, K = 3 }\n',
      r"#1: names starting with 'custom\.' .*'custom\.M1-N2-K3'"),
+    ('[[workload]]\nkernel = "gemm"\nshape = { M = 1000000000000, N = 1, K = 1 }\n',
+     r"#1: gemm shape .* MB of buffers, over the 512 MB cap"),  # refused before a worker tries to allocate it
     ('[workload]\nkernel = "gemm"\n', r"must be an array of tables"),
     ('kernel = "gemm"\n', r"unknown top-level key\(s\) kernel"),
 ])

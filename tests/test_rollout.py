@@ -168,7 +168,7 @@ def test_registry_rollouts_reports_and_state_changes_on_sqlite_and_postgresql(db
         now = time.time()
         assert rs.act(store, r["id"], "pause", now, "op", "looking")["state"] == "paused"
         assert rs.act(store, r["id"], "resume", now, "op", None)["state"] == "active"
-        with pytest.raises(BadInput, match="only a paused rollout can be active"):
+        with pytest.raises(BadInput, match="only a paused rollout can be resumed"):
             rs.act(store, r["id"], "resume", now, "op", None)
         assert rs.act(store, "nope", "abort", now, "op", None) is None
         rs.mark_sent(store, r["id"], first, now)

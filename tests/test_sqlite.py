@@ -264,7 +264,7 @@ def test_results_db_errors_name_the_callers_fix(tmp_path):
 
     p = tmp_path / "results.db"
     p.write_bytes(b"garbage" * 200)
-    with pytest.raises(DBCorrupt, match="--reset to move it aside"):
+    with pytest.raises(DBCorrupt, match="report --reset` to move it aside"):
         ResultsDB(p)
     with pytest.raises(DBCorrupt) as e:
         ResultsDB(p, fix=RESULTS_DB_FIX)

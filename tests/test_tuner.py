@@ -391,6 +391,12 @@ def test_corrupt_db_clear_error_and_reset_moves_aside(tmp_path):
     assert p.returncode == 0, p.stderr
     aside = [f for f in db_path.parent.iterdir() if ".broken-" in f.name]
     assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not sqlite")
+    p = _cli("report", "--reset")  # the fresh DB is healthy: --reset keeps it and says so
+    assert p.returncode == 0 and "healthy" in p.stderr and db_path.exists(), p.stderr
+    assert len([f for f in db_path.parent.iterdir() if ".broken-" in f.name]) == 1
+    db_path.write_bytes(b"corrupt again" * 100)
+    p = _cli("verify")
+    assert p.returncode == 1 and "edgetune report --reset" in " ".join(p.stderr.split()), p.stderr
 
 
 def test_foreign_sqlite_db_is_refused(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -76,6 +77,15 @@ def test_a_bad_cc_is_named(hw, monkeypatch, tmp_path):
     spec = _variant(tmp_path, "silent", "")  # a source of its own: no cached build answers for it
     with pytest.raises(CompileError, match="compiler failed: /bin/false exited with status 1 and printed nothing"):
         build(spec, spec.default, hw)
+    monkeypatch.setenv("CC", "/bin/true")  # exits 0 and writes nothing: named, not a FileNotFoundError
+    with pytest.raises(CompileError, match="/bin/true exited 0 but wrote no shared object"):
+        build(spec, spec.default, hw)
+
+
+def test_tune_without_a_compiler_is_one_error_not_one_per_workload(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "edgetune.main", "tune", "--kernel", "gemm", "--budget", "2"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "CC": str(tmp_path / "no-cc")})
+    assert p.returncode != 0 and p.stderr.count("not found") == 1 and "failed gemm/" not in p.stderr, p.stderr
 
 
 def test_workers_are_recycled_per_distinct_library(hw):

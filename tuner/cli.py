@@ -8,16 +8,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from edgetune.atomic import write_output
 from edgetune.config import config_files, load_or_raise
 from edgetune.errors import BadInput, EdgetuneError
+from hwprobe.compiler import CompilerMissing
 from hwprobe.power import meter_from_config
-from edgetune.output import console, emit, fmt, json_flag, progress, table
+from edgetune.output import console, emit, fmt, json_flag, progress, say, table
 from kernels.measure import TIE_THRESHOLD
 from kernels.registry import all_specs, get_spec
 from kernels.space import config_from_json, format_config
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
-from kernels.workloads import resolve
+from kernels.workloads import custom_workload, resolve
 from tuner import active
 from tuner.db import ResultsDB
 from tuner.evaluate import Measured
@@ -25,6 +27,7 @@ from tuner.export import to_c_header
 from tuner.objective import OBJECTIVES, Objective
 from tuner.session import Budget, Session
 from tuner.strategies import DEFAULT_STRATEGY, STRATEGIES, check_strategy
+from tuner.strategies.llm import FALLBACK_SUFFIX
 
 TWIN_NOTE = ("ORT twin ms: one sess.run of the kernel's ONNX twin (kernels/ort_twin.py), wall time from Python on all "
              "cores, right after tuning. The twin reads the kernel's layout, so it includes NHWC<->NCHW and weight "
@@ -44,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"evaluations per workload, spent whole (default: up to {Budget.evals}, stopping when the "
                         "strategy has converged; llm converges in about 5-12)")
     p.add_argument("--seconds", type=float, help="max tuning seconds per workload")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the search's random seed (a rerun with it repeats its choices)")
     p.add_argument("--force", action="store_true", help="retune even if this key is already tuned")
     p.add_argument("--isa", help="cap the ISA, e.g. x86-64-v3")
     p.add_argument("--objective", choices=OBJECTIVES,
@@ -64,22 +67,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("kernel")
     p.add_argument("workload", help="workload name, or a custom shape like M=100,N=200,K=300")
     p.add_argument("config", help='JSON object of knobs, e.g. \'{"vec": 8}\' (missing knobs take defaults)')
-    p.add_argument("--isa")
+    p.add_argument("--isa", help="build for a capped ISA, e.g. x86-64-v3 (default: this CPU's)")
     json_flag(p)
     p.set_defaults(func=cmd_pin)
 
     p = sub.add_parser("unpin", help="drop pins (all, or one kernel/workload)")
-    p.add_argument("kernel", nargs="?")
-    p.add_argument("workload", nargs="?")
+    p.add_argument("kernel", nargs="?", help="only this kernel's pins")
+    p.add_argument("workload", nargs="?", help="only this workload's pin: its name, or a custom shape as given to pin")
     json_flag(p)
     p.set_defaults(func=cmd_unpin)
 
     p = sub.add_parser("verify", help="re-measure active configs and report drift beyond the noise threshold")
-    p.add_argument("--kernel")
-    p.add_argument("--workload")
-    p.add_argument("--shape")
+    p.add_argument("--kernel", help="only this kernel's active configs")
+    p.add_argument("--workload", help="only this workload's (bundled, imported or custom.* name)")
+    p.add_argument("--shape", help="only this custom shape of --kernel, e.g. M=196,N=576,K=96")
     p.add_argument("--threshold", type=float, default=0.10, help="relative drift that counts (default 0.10)")
-    p.add_argument("--isa")
+    p.add_argument("--isa", help="measure under a capped ISA, e.g. x86-64-v3 (default: this CPU's)")
     json_flag(p)
     p.set_defaults(func=cmd_verify)
 
@@ -103,21 +106,27 @@ def _hw(isa: str | None) -> Any:
 def open_db(reset: bool = False) -> ResultsDB:
     if reset:
         aside = ResultsDB.reset()
-        if aside:
-            from edgetune.output import err_console
-
-            err_console.print(f"moved the old results DB aside to {aside}")
+        say(f"moved the old results DB aside to {aside}" if aside else
+            "--reset: the results DB is healthy (or absent); nothing moved", err=True)
     return ResultsDB()
 
 
 def select_targets(kernels: list[str] | None, workloads: list[str] | None, shape: str | None,
                    files: list[str] | None) -> list[tuple[KernelSpec, Workload]]:
     """What `tune` should run: workload files, a custom shape, named workloads, or everything bundled."""
+    if shape and workloads:
+        raise BadInput("give either --workload or --shape, not both")
     if files:
         from kernels.workload_files import load_workload_files
 
-        targets = load_workload_files(files)
-        return [(s, w) for s, w in targets if not kernels or s.name in kernels]
+        targets = [(s, w) for s, w in load_workload_files(files) if not kernels or s.name in kernels]
+        if shape:
+            raise BadInput("--shape and --workloads both name what to tune; give one")
+        missing = sorted(set(workloads or ()) - {w.name for _, w in targets})
+        if missing:
+            raise BadInput(f"workload(s) {', '.join(missing)} are not in {', '.join(files)}"
+                           + (f" for kernel(s) {', '.join(kernels)}" if kernels else ""))
+        return [(s, w) for s, w in targets if not workloads or w.name in workloads]
     specs = [get_spec(k) for k in kernels] if kernels else list(all_specs().values())
     if shape:
         if len(specs) != 1:
@@ -143,7 +152,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_strategy(args.strategy)
     targets = select_targets(args.kernel, args.workload, args.shape, args.workloads)
     if not targets:
-        raise BadInput("nothing to tune: the selection matched no workload")
+        raise BadInput("nothing to tune: the selection matched no workload"
+                       + (f" (workloads files: {', '.join(args.workloads)})" if args.workloads else ""))
     hw = _hw(args.isa)
     db = open_db(args.reset)
     results, failures = [], []
@@ -172,10 +182,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                    budget=budget, progress=tick,
                                    objective=objective)
                 results.append(res.to_dict())
+            except CompilerMissing:
+                raise  # no workload can build: one error, not one per workload
             except EdgetuneError as e:
                 if e.exit_code == 2:
                     raise
                 failures.append({"kernel": spec.name, "workload": wl.name, "error": str(e)})
+            except KeyboardInterrupt:
+                say(f"interrupted during {spec.name}/{wl.name}; {len(results)} workload(s) finished before it. "
+                    "Its measurements are kept: the same command resumes it.", err=True)
+                raise
             if bar:
                 bar.update(task, completed=budget.evals)
                 bar.advance(overall)
@@ -191,7 +207,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             + ([fmt(r["energy_j"] and r["energy_j"] * 1e6, 2), fmt(r["default_energy_j"] and r["default_energy_j"] * 1e6, 2)]
                if energy else [])
             + [r["evals"], fmt(r["tuning_s"], 1) + (" (cached)" if r["cached"] else ""),
-               r["strategy"] + (f" ({r['objective']})" if r["objective"] != "latency" else "")] for r in d["results"]])
+               strategy_label(r) + (f" ({r['objective']})" if r["objective"] != "latency" else "")]
+            for r in d["results"]])
         fresh = [r for r in d["results"] if not r["cached"] and r.get("timing")]
         if fresh:
             t = {k: sum(r["timing"].get(k, 0.0) for r in fresh) for k in ("compile_s", "measure_s", "strategy_s")}
@@ -200,16 +217,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           "and start-up)")
         for r in d["results"]:
             if r["objective_note"]:
-                from edgetune.output import err_console
-
-                err_console.print(f"{r['kernel']}/{r['workload']}: ranked by latency: {r['objective_note']}")
+                say(f"{r['kernel']}/{r['workload']}: ranked by latency: {r['objective_note']}", err=True)
         for f in d["failures"]:
-            from edgetune.output import err_console
-
-            err_console.print(f"[red]failed[/red] {f['kernel']}/{f['workload']}: {f['error']}")
+            say(f"{f['kernel']}/{f['workload']}: {f['error']}", "failed", "red", err=True)
 
     emit({"results": results, "failures": failures}, args.json, render)
     return 1 if failures else 0
+
+
+def strategy_label(r: dict) -> str:
+    """What searched: an llm session whose model could not load ran anneal, and the table says so."""
+    fell_back = (r.get("strategy_version") or "").endswith(FALLBACK_SUFFIX)
+    return r["strategy"] + (" (fell back to anneal: no usable model)" if fell_back else "")
 
 
 def _when(ts: float | None) -> str:
@@ -223,7 +242,8 @@ def report_rows(db: ResultsDB) -> list[dict]:
         rows.append({"kernel": kernel, "workload": workload, "config": e["config"], "default_ms": e.get("default_ms"),
                      "tuned_ms": e.get("ms"), "speedup": e.get("speedup"), "ort_ms": e.get("ort_ms"),
                      "tuned_vs_ort": (e["ms"] / e["ort_ms"]) if e.get("ms") and e.get("ort_ms") else None,
-                     "evals": e.get("evals"), "strategy": e.get("strategy"), "tuned_at": e.get("tuned_at"),
+                     "evals": e.get("evals"), "strategy": e.get("strategy"),
+                     "strategy_version": e.get("strategy_version"), "tuned_at": e.get("tuned_at"),
                      "pinned": e.get("pinned", False)})
     return rows
 
@@ -236,10 +256,10 @@ def cmd_report(args: argparse.Namespace) -> int:
             print("nothing tuned yet: run `edgetune tune`")
             return
         table("active configs", ["kernel", "workload", "default ms", "tuned ms", "speedup", "ORT twin ms",
-                                 "tuned/twin", "evals", "tuned_at"], [
+                                 "tuned/twin", "evals", "strategy", "tuned_at"], [
             [r["kernel"], r["workload"] + (" (pinned)" if r["pinned"] else ""), fmt(r["default_ms"], 4),
              fmt(r["tuned_ms"], 4), fmt(r["speedup"], 2), fmt(r["ort_ms"], 4), fmt(r["tuned_vs_ort"], 2),
-             r["evals"], _when(r["tuned_at"])] for r in rs])
+             r["evals"], strategy_label(r), _when(r["tuned_at"])] for r in rs])
         console.print(TWIN_NOTE, highlight=False)
 
     emit(rows, args.json, render)
@@ -248,10 +268,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_pin(args: argparse.Namespace) -> int:
     spec = get_spec(args.kernel)
-    wl = resolve(spec, None, args.workload) if "=" in args.workload else resolve(spec, args.workload, None)
+    db = ResultsDB()
+    wl = resolve(spec, None, args.workload) if "=" in args.workload else known_workload(db, spec, args.workload)
     hw = _hw(args.isa)
     cfg = spec.space(wl.shape, hw).validate(config_from_json(args.config, "config"))
-    db = ResultsDB()
     with Runner() as runner:
         m = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner).evaluate([cfg])[0]
     if not m.ok:
@@ -264,31 +284,64 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
+    workload = args.workload
     if args.kernel:
-        get_spec(args.kernel)
-    n = active.unpin(ResultsDB(), args.kernel, args.workload)
+        spec = get_spec(args.kernel)
+        if workload and "=" in workload:  # a custom shape, as `pin` takes it
+            workload = custom_workload(spec, workload).name
+    n = active.unpin(ResultsDB(), args.kernel, workload)
+    if workload and not n:
+        raise BadInput(f"no pin for {args.kernel}/{workload}; `edgetune report` shows the pinned configs")
     emit({"unpinned": n}, args.json, lambda d: print(f"unpinned {d['unpinned']} config(s)"))
     return 0
 
 
+def known_workload(db: ResultsDB, spec: KernelSpec, name: str) -> Workload:
+    """A bundled workload or custom-shape name, or one tuned before from a workloads file (its shape is kept in
+    its active entry), so `pin` and `verify` work on imported layers without the file."""
+    try:
+        return resolve(spec, name, None)
+    except BadInput:
+        e = db.active_entry(spec.name, name)
+        if e and e.get("shape"):
+            return Workload(name, spec.validate_shape(e["shape"]), "active")
+        raise
+
+
+def verify_selection(slots: dict[str, dict], kernel: str | None, workload: str | None,
+                     shape: str | None) -> dict[str, dict]:
+    """The active slots `verify` re-measures: all, or those of --kernel, narrowed by --workload or --shape."""
+    if shape and not kernel:
+        raise BadInput("--shape needs --kernel (a shape's dimensions are the kernel's)")
+    if workload and shape:
+        raise BadInput("give either --workload or --shape, not both")
+    if kernel:
+        spec = get_spec(kernel)
+        slots = {k: v for k, v in slots.items() if k.startswith(spec.name + "/")}
+        if shape:
+            workload = custom_workload(spec, shape).name
+    if workload:
+        slots = {k: v for k, v in slots.items() if k.split("/", 1)[1] == workload}
+        if not slots:
+            raise BadInput(f"no active config for workload {workload!r}" + (f" of {kernel}" if kernel else "")
+                           + "; `edgetune report` lists the active ones")
+    return slots
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if not args.threshold > 0:
+        raise BadInput(f"--threshold {args.threshold:g}: give the relative drift that counts, e.g. 0.10 for 10%")
     db = ResultsDB()
     hw = _hw(args.isa)
-    slots = db.active()
-    if args.kernel:
-        spec = get_spec(args.kernel)
-        if args.workload or args.shape:
-            wl = resolve(spec, args.workload, args.shape)
-            slots = {k: v for k, v in slots.items() if k == f"{spec.name}/{wl.name}"}
-        else:
-            slots = {k: v for k, v in slots.items() if k.startswith(spec.name + "/")}
+    slots = verify_selection(db.active(), args.kernel, args.workload, args.shape)
     rows = []
     with Runner() as runner:
         session = Session(db, runner, hw)
         for slot, e in slots.items():
             kernel, workload = slot.split("/", 1)
             spec = get_spec(kernel)
-            wl = resolve(spec, workload, None)
+            wl = Workload(workload, spec.validate_shape(e["shape"]), "active") if e.get("shape") \
+                else resolve(spec, workload, None)
             if e.get("session_id"):
                 m = session.remeasure(spec, wl, [e["config"]], e["session_id"], "verify", rounds=2)[0]
             else:  # a pin made before any tuning has no session to journal under
@@ -316,9 +369,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     doc = ResultsDB().active_document()
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n" if args.format == "json" else to_c_header(doc)
     if args.output:
-        Path(args.output).write_text(text)
+        write_output(Path(args.output), text.encode())
         emit({"written": args.output, "format": args.format, "entries": len(doc["kernels"])}, args.json,
              lambda d: print(f"wrote {d['entries']} config(s) to {d['written']}"))
+    elif args.json and args.format != "json":  # --json is JSON on stdout: the C header travels as a string
+        emit({"format": args.format, "entries": len(doc["kernels"]), "text": text}, True)
     else:
         print(text, end="")
     return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from edgetune import paths
-from edgetune.sqlite import Schema, Store, move_aside
+from edgetune.sqlite import DBError, Schema, Store, move_aside
 from kernels.active import write_active
 from tuner.resultkey import ResultKey
 
@@ -68,7 +68,7 @@ class SessionRow:
     result_key: ResultKey | None = None
 
 
-RESET_FIX = "rerun with --reset to move it aside and start fresh"
+RESET_FIX = "run `edgetune report --reset` to move it aside (nothing is deleted) and start fresh"
 
 
 def default_path() -> Path:
@@ -85,10 +85,24 @@ class ResultsDB(Store):
         super().__init__(Path(path) if path else default_path(), fix=fix,
                          full_fix="free some space and rerun (finished measurements are kept and will be reused)")
 
-    @staticmethod
-    def reset(path: Path | None = None) -> Path | None:
-        """Move a broken DB (and its WAL files) aside; never delete. Returns the new name."""
-        return move_aside(Path(path) if path else default_path())
+    @classmethod
+    def reset(cls, path: Path | None = None) -> Path | None:
+        """Move a broken DB (and its WAL files) aside; never delete. Returns the new name, or None when nothing
+        was moved: no file, or one that opens and passes SQLite's quick_check (--reset is the cure for a corrupt
+        file, not a way to lose good results)."""
+        path = Path(path) if path else default_path()
+        return None if cls.healthy(path) else move_aside(path)
+
+    @classmethod
+    def healthy(cls, path: Path) -> bool:
+        """`path` is a results DB that opens (migrated if old) and passes quick_check."""
+        if not path.exists():
+            return False
+        try:
+            with cls(path) as db:
+                return db.query_one("PRAGMA quick_check")[0] == "ok"
+        except DBError:
+            return False
 
     # ---- sessions ------------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from edgetune.protocol import check_id
 from fleet.commands import new_command
-from fleet.web.views import BadQuery
+from fleet.web.views import BadQuery, count_param
 
 MAX_BUDGET = 100_000
 MAX_DEVICES = 1000  # one request; a bigger fleet is retuned in pages, so one click cannot flood the broker
@@ -81,11 +81,9 @@ def form_body(form: Any) -> dict:
             body[key] = names
     if (form.get("strategy") or "").strip():
         body["strategy"] = form["strategy"].strip()
-    budget = (form.get("budget") or "").strip()
-    if budget:
-        if not budget.isdigit():
-            raise BadQuery(f"budget {budget!r}: must be a whole number of evaluations")
-        body["budget"] = int(budget)
+    budget = count_param(form, "budget", None, 1, MAX_BUDGET)
+    if budget is not None:
+        body["budget"] = budget
     body["force"] = form.get("force") in ("on", "true", "1")
     if form.getlist("device"):
         body["devices"] = form.getlist("device")

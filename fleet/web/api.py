@@ -71,10 +71,11 @@ async def device(request: Request, p: Principal) -> Response:
 
 async def telemetry(request: Request, p: Principal) -> Response:
     fleet = fleet_of(request)
-    limit = request.query_params.get("limit", "2000")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100_000:
-        return api_error(400, f"limit={limit!r}: a whole number of samples, 1-100000")
-    return await _device_or_404(request, views.telemetry, fleet.limits, request.path_params["device"], int(limit))
+    try:
+        limit = views.count_param(request.query_params, "limit", 2000, 1, 100_000)
+    except BadQuery as e:
+        return api_error(400, str(e))
+    return await _device_or_404(request, views.telemetry, fleet.limits, request.path_params["device"], limit)
 
 
 async def records(request: Request, p: Principal) -> Response:
@@ -146,16 +147,21 @@ async def rollout(request: Request, p: Principal) -> Response:
     return _json(found) if found else api_error(404, f"no rollout {rid!r}; GET {PREFIX}/rollouts lists them")
 
 
+async def _optional_body(request: Request) -> Any:
+    """A rollout action's body: optional, {} when empty."""
+    return await _body(request) if await request.body() else {}
+
+
 async def _rollout_action(request: Request, p: Principal, action: str) -> Response:
     rid = request.path_params["rollout"]
     try:
-        body = await _body(request) if await request.body() else {}
-        reason = rollout_reason(body)
-        done = await fleet_of(request).read(rs.act, rid, action, time.time(), p.name, reason)
-    except BadQuery as e:
+        reason = rollout_reason(await _optional_body(request))
+    except BadInput as e:
         return api_error(400, str(e))
-    except BadInput as e:  # the rollout's state does not allow it
-        return api_error(409, str(e))
+    try:
+        done = await fleet_of(request).read(rs.act, rid, action, time.time(), p.name, reason)
+    except BadInput as e:
+        return api_error(views.refusal_status(e), str(e))
     if done is None:
         return api_error(404, f"no rollout {rid!r}; nothing changed")
     return _json(await fleet_of(request).read(views.rollout, rid))
@@ -168,14 +174,13 @@ pause_rollout, resume_rollout, abort_rollout = (with_arg(_rollout_action, a, f"{
 async def retry_rollout(request: Request, p: Principal) -> Response:
     rid = request.path_params["rollout"]
     try:
-        devices = retry_devices(await _body(request) if await request.body() else {})
-        if await fleet_of(request).read(rs.rollout, rid) is None:
-            return api_error(404, f"no rollout {rid!r}; nothing changed")
-        retried = await fleet_of(request).read(rs.retry, rid, devices, time.time(), p.name)
-    except BadQuery as e:
-        return api_error(400, str(e))
+        devices = retry_devices(await _optional_body(request))
     except BadInput as e:
-        return api_error(409, str(e))
+        return api_error(400, str(e))
+    try:
+        retried = await fleet_of(request).read(rs.retry, rid, devices, time.time(), p.name)
+    except BadInput as e:
+        return api_error(views.refusal_status(e), str(e))
     return _json({"retried": retried, "rollout": await fleet_of(request).read(views.rollout, rid)})
 
 
@@ -241,7 +246,8 @@ API: list[ApiRoute] = [
              "next attempt's rollout_id) to the devices whose download or staging failed: all, or `devices`",
              body={"type": "object", "additionalProperties": False, "properties": {"devices": _NAMES}},
              responses={"200": "the devices retried (none: nothing had failed) and the rollout",
-                        "400": "bad body", "404": "no such rollout", "409": "the rollout is completed or aborted"}),
+                        "400": "bad body", "409": "the rollout is completed or aborted",
+                        "404": "no such rollout, or a named device is not one of its targets; nothing retried"}),
     ApiRoute("/speedups", "GET", "viewer", speedups, "per kernel/workload, the speedups across devices"),
     ApiRoute("/me", "GET", "viewer", me, "who the credentials belong to"),
     ApiRoute("/openapi.json", "GET", None, openapi, "this schema"),

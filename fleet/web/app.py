@@ -58,6 +58,7 @@ class Fleet:
     limits: Limits
     send: Send
     templates: jinja2.Environment
+    health: Callable[[], dict]  # what /healthz says; every page shows it when the receiver lost the broker
 
     async def read(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(store, *args) in a worker thread."""
@@ -122,7 +123,7 @@ def render(request: Request, p: Principal, template: str, context: dict, status:
     fleet = fleet_of(request)
     session = p.session or fleet.auth.new_session(None)
     html = fleet.templates.get_template(template).render(
-        **context, me=p, csrf=session.csrf, path=request.url.path, version=__version__)
+        **context, me=p, csrf=session.csrf, path=request.url.path, version=__version__, health=fleet.health())
     response = HTMLResponse(html, status_code=status)
     if p.session is None:
         fleet.auth.set_cookie(response, session)

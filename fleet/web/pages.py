@@ -92,9 +92,12 @@ async def _rollout_action(request: Request, p: Principal, action: str) -> Respon
     form = await request.form()
     try:
         reason = rollout_reason({"reason": form.get("reason")} if form.get("reason") else {})
+    except BadInput as e:
+        return page_error(request, p, 400, str(e))
+    try:
         done = await fleet_of(request).read(rs.act, rid, action, time.time(), p.name, reason)
     except BadInput as e:
-        return page_error(request, p, 409, str(e))
+        return page_error(request, p, views.refusal_status(e), str(e))
     if done is None:
         return page_error(request, p, 404, f"No rollout {rid!r} in the fleet DB; nothing changed.")
     return RedirectResponse(f"/rollouts/{urllib.parse.quote(rid, safe='')}", 303)
@@ -105,7 +108,7 @@ async def retry_rollout(request: Request, p: Principal) -> Response:
     try:
         await fleet_of(request).read(rs.retry, rid, None, time.time(), p.name)
     except BadInput as e:
-        return page_error(request, p, 409, str(e))
+        return page_error(request, p, views.refusal_status(e), str(e))
     return RedirectResponse(f"/rollouts/{urllib.parse.quote(rid, safe='')}", 303)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import FileResponse, MalformedRangeHeader, Response
 from starlette.routing import Route
 
 from edgetune import paths
@@ -79,10 +79,34 @@ async def release_file(request: Request) -> Response:
         return Response(f"{e}\n", 500, media_type="text/plain")
     if path is None:
         return Response(f"no model with sha256 {sha} is registered\n", 404, media_type="text/plain")
+    etag = f'"{sha}"'
+    cache = {"etag": etag, "cache-control": "public, max-age=31536000, immutable"}
+    if _matches(request.headers.get("if-none-match"), etag):
+        return Response(status_code=304, headers=cache)
     digest = base64.b64encode(bytes.fromhex(sha)).decode()
-    return FileResponse(path, media_type="application/octet-stream",
-                        headers={"etag": f'"{sha}"', "repr-digest": f"sha-256=:{digest}:",
-                                 "cache-control": "public, max-age=31536000, immutable"})
+    return _ReleaseFile(path, media_type="application/octet-stream",
+                        headers={**cache, "repr-digest": f"sha-256=:{digest}:"})
+
+
+def _matches(if_none_match: str | None, etag: str) -> bool:
+    """If-None-Match against our ETag, by the weak comparison RFC 9110 §13.1.2 prescribes for it."""
+    if if_none_match is None:
+        return False
+    tags = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
+    return "*" in tags or etag in tags
+
+
+class _ReleaseFile(FileResponse):
+    """A FileResponse that ignores a Range header it cannot use (RFC 9110 §14.2: unparseable, or a range ending
+    before it starts) and sends the whole file with 200, as Starlette's 400 would leave a device's download stuck;
+    a range starting past the end stays a 416."""
+
+    @classmethod
+    def _parse_range_header(cls, http_range: str, file_size: int) -> list[tuple[int, int]]:
+        try:
+            return super()._parse_range_header(http_range, file_size)
+        except MalformedRangeHeader:
+            return []  # no ranges: the whole file
 
 
 def routes() -> list[Route]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import jinja2
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send as AsgiSend
@@ -25,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send as AsgiSend
 from fleet.store import FleetStore
 from fleet.web import api, filters, pages, releases
 from fleet.web.actions import Send
-from fleet.web.app import HERE, Fleet, ThreadStores
+from fleet.web.app import HERE, Fleet, ThreadStores, api_error
 from fleet.web.auth import Auth
 from fleet.web.views import Limits
 
@@ -57,18 +59,39 @@ def _templates() -> jinja2.Environment:
     return env
 
 
+def _healthz(health: Callable[[], dict]) -> Callable[[Request], Awaitable[Response]]:
+    """`/healthz`, no credentials: 200 while `health()` says ok (the receiver is connected to the broker), 503 while
+    not, so a systemd or Kubernetes probe sees what the body says."""
+    async def endpoint(request: Request) -> Response:
+        h = {"ok": True, "time": time.time(), **health()}
+        return JSONResponse(h, status_code=200 if h["ok"] else 503)
+
+    return endpoint
+
+
+async def _no_route(request: Request, exc: Exception) -> Response:
+    """An unmatched path or method: under /api/ a JSON error like every other API answer, elsewhere plain text."""
+    assert isinstance(exc, HTTPException)
+    if not (request.url.path + "/").startswith(api.PREFIX + "/"):
+        return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
+    if exc.status_code == 405:
+        return api_error(405, f"{request.method} is not allowed on {request.url.path}; allowed: "
+                              f"{(exc.headers or {}).get('Allow', '?')}", **(exc.headers or {}))
+    return api_error(exc.status_code, f"no API route {request.url.path}; GET {api.PREFIX}/openapi.json lists them")
+
+
 def create_app(open_store: Callable[[], FleetStore], auth: Auth, limits: Limits, send: Send,
                health: Callable[[], dict] = lambda: {}) -> ASGIApp:
     stores = ThreadStores(open_store)
     routes = [*pages.routes(), *api.routes(), *releases.routes(),
               Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
-              Route("/healthz", lambda request: JSONResponse({"ok": True, "time": time.time(), **health()}))]
+              Route("/healthz", _healthz(health))]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         stores.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.fleet = Fleet(stores, auth, limits, send, _templates())
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _no_route, 405: _no_route})
+    app.state.fleet = Fleet(stores, auth, limits, send, _templates(), health)
     return _security_headers(app)

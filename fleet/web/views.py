@@ -11,10 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from edgetune import protocol as wire
 from edgetune.errors import BadInput
 from fleet import rollout_store as rs
+from fleet.ingest import plausible_speedup
 from fleet.rollout import bucket, rollout_summary
 from fleet.store import FleetStore, geomean
+from fleet.text import whole_number
 
 FILTERS = ("status", "version", "model_version", "fw_fingerprint", "cpu_model", "isa")
 SORTS = ("id", "status", "last_seen", "cpu_model", "isa", "cores", "version", "model_version", "tuned_workloads",
@@ -26,6 +29,12 @@ PAGE_MAX = 1000
 
 class BadQuery(BadInput):
     """A query parameter or body field the API cannot use (HTTP 400); the message names it and what would work."""
+
+
+def refusal_status(e: BadInput) -> int:
+    """The HTTP status of a rollout action the store refused: 404 when the rollout or a named device is unknown,
+    409 when the rollout's state does not allow it (a bad request body is a 400 before the store is asked)."""
+    return 404 if isinstance(e, rs.Unknown) else 409
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ def device_list(store: FleetStore, lim: Limits, query: Mapping[str, str]) -> dic
     unknown = set(query) - set(params)
     if unknown:
         raise BadQuery(f"unknown query parameter {sorted(unknown)[0]!r}; parameters: {', '.join(params)}")
-    limit, offset = _count(query, "limit", PAGE, 1, PAGE_MAX), _count(query, "offset", 0, 0, None)
+    limit, offset = count_param(query, "limit", PAGE, 1, PAGE_MAX), count_param(query, "offset", 0, 0, None)
     sort, order = query.get("sort") or "id", query.get("order") or "asc"
     if sort not in SORTS:
         raise BadQuery(f"sort={sort!r}: sort by one of {', '.join(SORTS)}")
@@ -69,14 +78,13 @@ def device_list(store: FleetStore, lim: Limits, query: Mapping[str, str]) -> dic
             "sort": sort, "order": order}
 
 
-def _count(query: Mapping[str, str], name: str, default: int, low: int, high: int | None) -> int:
-    raw = query.get(name)
-    if raw in (None, ""):
+def count_param(query: Mapping[str, Any], name: str, default: int | None, low: int, high: int | None) -> int | None:
+    """A whole-number query parameter or form field (`default` when absent or blank), BadQuery naming it and the
+    range when it is anything else: the one parser of counts the API and the forms take."""
+    raw = str(query.get(name) or "").strip()
+    if not raw:
         return default
-    try:
-        n = int(raw)
-    except ValueError:
-        n = None
+    n = whole_number(raw)
     if n is None or n < low or (high is not None and n > high):
         raise BadQuery(f"{name}={raw!r}: a whole number from {low}" + (f" to {high}" if high is not None else " up"))
     return n
@@ -90,7 +98,22 @@ def device_detail(store: FleetStore, lim: Limits, device: str) -> dict | None:
     hw = next((info[k] for k in ("hw", "hardware", "descriptor") if isinstance(info.get(k), dict)), {})
     return {**summary, "descriptor": hw, "info": info, "active": store.active_config_rows(device),
             "status_history": store.status_history(device)[-50:][::-1], "commands": commands(store, device),
-            "model_state": rs.model_state(store, device)}
+            "model_state": model_state(store, device)}
+
+
+def model_state(store: FleetStore, device: str) -> dict | None:
+    """The device's last model/state report with every protocol field present: only `state` is required
+    (docs/protocol.md; `current` and `previous` may be null or left out), and the page reads the others."""
+    ms = rs.model_state(store, device)
+    if ms is None:
+        return None
+    out = {**dict.fromkeys(wire.MODEL_STATE.fields), **ms}
+    for k in ("current", "previous"):
+        m = out[k]
+        out[k] = {f: m.get(f) for f in ("name", "version", "sha256")} if isinstance(m, dict) else None
+    rid = out["rollout_id"]
+    out["rollout_id"] = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+    return out
 
 
 def commands(store: FleetStore, device: str) -> list[dict]:
@@ -123,7 +146,7 @@ def speedups(store: FleetStore) -> list[dict]:
     (under half or over twice the median), which is where an operator looks first."""
     by_slot: dict[str, list[dict]] = {}
     for r in store.speedups():
-        if r["speedup"] > 0 and math.isfinite(r["speedup"]):
+        if plausible_speedup(r["speedup"]):  # what an older receiver stored unchecked stays off the plots
             by_slot.setdefault(r["slot"], []).append(r)
     out = []
     for slot, rows in sorted(by_slot.items()):

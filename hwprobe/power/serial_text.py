@@ -49,7 +49,7 @@ class TextFormat:
         if self.style not in ("csv", "kv"):
             raise BadInput(f"power.format must be 'csv' or 'kv', not {self.style!r}")
         if bool(self.power) == bool(self.voltage and self.current) or bool(self.voltage) != bool(self.current):
-            raise BadInput("power: set either `power`, or both `voltage` and `current`")
+            raise BadInput("set either `power`, or both `voltage` and `current`")
         if self.style == "csv":
             for key, dim in self.wanted():
                 if key not in self.columns:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,8 @@ from edgetune.output import emit, fmt, json_flag, table
 from kernels.registry import get_spec
 from kernels.space import format_config
 from kernels.workloads import resolve
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_propose(args: argparse.Namespace) -> int:
     if args.k <= 0:
         raise BadInput(f"-k must be a positive number of configs, got {args.k}")
+    if args.model and not Path(args.model).is_file():
+        raise BadInput(f"--model {args.model}: no such file; give a GGUF tuner model (or leave --model out for the "
+                       "bundled one)")
     from hwprobe.target import describe
     from tuner.strategies.llm import load_proposer
     from tuner.model.inference import ModelError
@@ -80,10 +86,20 @@ def cmd_train(args: argparse.Namespace) -> int:
                             "install it with `pip install -e '.[train]'`")
     from edgetune import paths
 
+    if args.steps is not None and args.steps < 1:
+        raise BadInput(f"--steps {args.steps}: give a positive number of training steps (or leave it out)")
+    if args.max_minutes <= 0:
+        raise BadInput(f"--max-minutes {args.max_minutes:g}: give a positive time limit")
     for r in args.records:
-        if not Path(r).exists():
+        if not Path(r).is_file():
             raise BadInput(f"records file {r} not found")
+        sessions, other = D.check_records(Path(r))
+        if other:
+            log.warning("records file %s: %d of %d lines are not tuning records; training skips them", r, other,
+                        sessions + other)
     out = Path(args.out) if args.out else paths.state_dir() / "models"
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out} is a file; the model and its card go in a directory")
     data, records = D.base_sources(args.data, args.no_base)
     t = time.time()
     with contextlib.redirect_stdout(sys.stderr):  # progress goes to stderr; stdout stays the result (--json)

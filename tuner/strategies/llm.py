@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+FALLBACK_SUFFIX = "-anneal-fallback"  # on the version of a session that ran anneal for want of a usable model
 STRATEGY_VERSION = "6"  # bumped when the first batch or the steering changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
@@ -188,7 +189,7 @@ class LLMStrategy(Strategy):
         log.warning("%s; strategy llm falls back to anneal", why)
         self.fallback = Anneal(self.space, self.rng.randrange(1 << 30))
         self.fallback.seen = set(self.seen)
-        self.version = f"{STRATEGY_VERSION}-anneal-fallback"
+        self.version = STRATEGY_VERSION + FALLBACK_SUFFIX
         self.proposer = None
 
     def _check_compatible(self) -> None:

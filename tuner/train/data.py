@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from edgetune.errors import BadInput
 from hwprobe.descriptor import vector_registers
 from kernels.space import config_key
 from tuner.model.prompt import ISA_VECTOR_BITS
@@ -215,6 +216,25 @@ def iter_record_sources(path: Path) -> Iterable[dict]:
     yield from _rows(path)
 
 
+def is_session(rec: object) -> bool:
+    """A tuning record: one session's kernel, shape and measurements."""
+    return isinstance(rec, dict) and "measurements" in rec and "kernel" in rec
+
+
+def check_records(path: Path) -> tuple[int, int]:
+    """(sessions, other lines) in a records file, read before minutes of training are spent on it: a file that is
+    neither a results DB nor JSONL records, or holds no session, is BadInput naming it."""
+    fix = "give a results DB (results.db) or a JSONL export of tuning records (`edgetune fleet export-records`)"
+    try:
+        recs = list(iter_record_sources(path))
+    except (UnicodeDecodeError, OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise BadInput(f"records file {path} cannot be read as records ({e}); {fix}") from None
+    sessions = sum(map(is_session, recs))
+    if not sessions:
+        raise BadInput(f"records file {path} holds no tuning sessions; {fix}")
+    return sessions, len(recs) - sessions
+
+
 def load_records(path: Path, cases: dict | None = None, heldout: set | None = None) -> tuple[dict, int]:
     """Add every ok measurement of every session; returns (cases, sessions read). Sessions of a `heldout` problem
     (`problem_key`) are skipped, on every device."""
@@ -222,7 +242,7 @@ def load_records(path: Path, cases: dict | None = None, heldout: set | None = No
     n = 0
     hw_cache: dict[str, dict] = {}
     for rec in iter_record_sources(path):
-        if "measurements" not in rec or "kernel" not in rec:
+        if not is_session(rec):
             continue
         n += 1
         shape = rec["shape"] if isinstance(rec["shape"], dict) else json.loads(rec["shape"])
