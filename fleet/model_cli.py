@@ -119,7 +119,7 @@ def cmd_key_create(args: argparse.Namespace, open_store: Opener) -> int:
     emit({"private_key": str(k.private), "public_key": str(k.public), "key_id": k.key_id}, args.json,
          lambda d: console.print(f"key {d['key_id']}: private {d['private_key']} (mode 600, keep it off the "
                                  f"devices and out of backups of the state dir)\npublic {d['public_key']}: add it "
-                                 "to the devices' [model_update] trusted_keys", highlight=False))
+                                 "to the devices' [model_update] trusted_keys", highlight=False, markup=False))
     return 0
 
 
@@ -147,7 +147,7 @@ def cmd_model_build(args: argparse.Namespace, open_store: Opener) -> int:
     emit(m, args.json, lambda d: console.print(
         f"built v{d['version']} ({d['size']} bytes) from {d['records']} records of {d['devices']} device(s) in "
         f"{d['seconds']:.0f} s: {d['file']}; publish it with `edgetune fleet model publish {d['version']}`",
-        highlight=False))
+        highlight=False, markup=False))
     return 0
 
 
@@ -156,7 +156,7 @@ def cmd_model_add(args: argparse.Namespace, open_store: Opener) -> int:
         m = registry.add(store, args.file, note=args.note)
     emit({k: v for k, v in m.items() if k != "card"}, args.json,
          lambda d: console.print(f"added {args.file} as v{d['version']} (sha256 {d['sha256'][:16]}…)",
-                                 highlight=False))
+                                 highlight=False, markup=False))
     return 0
 
 
@@ -203,7 +203,7 @@ def cmd_model_publish(args: argparse.Namespace, open_store: Opener) -> int:
     emit(out, args.json, lambda d: console.print(
         f"rollout {d['rollout']}: v{d['version']} to {d['targets']} device(s) in phases "
         f"{' → '.join(f'{p:g}%' for p in d['phases'])} ({d['first_phase']} in the first); abort returns them to "
-        f"v{d['rollback_version']}. `edgetune fleet serve` publishes it.", highlight=False))
+        f"v{d['rollback_version']}. `edgetune fleet serve` publishes it.", highlight=False, markup=False))
     return 0
 
 
@@ -236,7 +236,7 @@ def cmd_rollout_show(args: argparse.Namespace, open_store: Opener) -> int:
 
     def render(d: dict) -> None:
         console.print(f"rollout {d['id']}: v{d['version']} {d['state']} at phase {d['phase_label']}"
-                      + (f" ({d['reason']})" if d["reason"] else ""), highlight=False)
+                      + (f" ({d['reason']})" if d["reason"] else ""), highlight=False, markup=False)
         table("phases", ["phase", "released", "devices", *BUCKETS, "reasons"], [
             [p["label"], "yes" if p["released"] else "no", p["devices"], *(p["counts"][b] for b in BUCKETS),
              "; ".join(f"{k} x{n}" for k, n in p["reasons"].items())] for p in d["phases"]])
@@ -259,7 +259,8 @@ def cmd_rollout_action(args: argparse.Namespace, open_store: Opener) -> int:
             raise BadInput(f"no rollout {args.rollout!r}; see `edgetune fleet rollout list`")
     emit({"rollout": r["id"], "state": r["state"]}, args.json,
          lambda d: console.print(f"rollout {d['rollout']} is {d['state']}" + (
-             "; `fleet serve` sends the signed rollback" if d["state"] == "aborted" else ""), highlight=False))
+             "; `fleet serve` sends the signed rollback" if d["state"] == "aborted" else ""),
+             highlight=False, markup=False))
     return 0
 
 
@@ -269,5 +270,6 @@ def cmd_rollout_retry(args: argparse.Namespace, open_store: Opener) -> int:
         retried = rs.retry(store, args.rollout, named, time.time(), "cli")
     emit({"rollout": args.rollout, "retried": retried}, args.json, lambda d: console.print(
         f"retrying {', '.join(d['retried'])}: `fleet serve` sends the release again" if d["retried"] else
-        "no device of that rollout has failed or timed out (rejected and rolled back are final)", highlight=False))
+        "no device of that rollout has failed or timed out (rejected and rolled back are final)",
+        highlight=False, markup=False))
     return 0

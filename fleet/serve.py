@@ -167,7 +167,7 @@ def cmd_token_create(args: argparse.Namespace) -> int:
         token, secret = store.create(args.role, args.name)
     emit({"id": token.id, "name": token.name, "role": token.role, "token": secret}, args.json,
          lambda d: console.print(f"{d['role']} token {d['name']!r} (id {d['id']}), shown only now:\n{d['token']}",
-                                 highlight=False, soft_wrap=True))
+                                 highlight=False, markup=False, soft_wrap=True))
     return 0
 
 
@@ -190,6 +190,6 @@ def cmd_token_revoke(args: argparse.Namespace) -> int:
     cfg, store = _tokens(args)
     with store:
         token = store.revoke(args.token.strip())
-    emit(asdict(token), args.json, lambda d: console.print(f"revoked token {d['name']!r} (id {d['id']})"))
+    emit(asdict(token), args.json, lambda d: console.print(f"revoked token {d['name']!r} (id {d['id']})", markup=False))
     return 0
 

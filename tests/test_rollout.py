@@ -402,3 +402,10 @@ def test_a_released_device_that_never_reports_is_timed_out_and_trips_the_abort_r
             assert (late["state"], late["reason"]) == ("failed", "disk_full")
     finally:
         controller.stop()
+
+
+def test_key_create_tells_where_the_public_key_goes_verbatim(tmp_path):
+    """`[model_update]` is a TOML table, not rich markup: the instruction must print whole."""
+    p = edgetune("fleet", "key", "create", "--out", str(tmp_path / "keys" / "fleet"))
+    assert p.returncode == 0, p.stderr
+    assert "[model_update] trusted_keys" in " ".join(p.stdout.split()), p.stdout
