@@ -45,9 +45,10 @@ def select(pairs: list[Pair], kernels: list[str] | None, workloads: list[str] | 
         for w in workloads:
             hits = [p for p in chosen if w in (p[1].name, f"{p[0].name}/{p[1].name}")]
             if not hits and "/" in w:
+                kernel, _, name = w.partition("/")
                 try:
-                    spec = get_spec(w.partition("/")[0])
-                    hits = [(spec, resolve(spec, w.partition("/")[2], None))]
+                    spec = get_spec(kernel)
+                    hits = [(spec, resolve(spec, name, None))]
                 except BadInput as e:  # name the whole string the sender gave, then why
                     raise BadInput(f"unknown workload {w!r}: {e}") from None
             if not hits:

@@ -116,12 +116,12 @@ def select_targets(kernels: list[str] | None, workloads: list[str] | None, shape
     """What `tune` should run: workload files, a custom shape, named workloads, or everything bundled."""
     if shape and workloads:
         raise BadInput("give either --workload or --shape, not both")
+    if shape and files:
+        raise BadInput("--shape and --workloads both name what to tune; give one")
     if files:
         from kernels.workload_files import load_workload_files
 
         targets = [(s, w) for s, w in load_workload_files(files) if not kernels or s.name in kernels]
-        if shape:
-            raise BadInput("--shape and --workloads both name what to tune; give one")
         missing = sorted(set(workloads or ()) - {w.name for _, w in targets})
         if missing:
             raise BadInput(f"workload(s) {', '.join(missing)} are not in {', '.join(files)}"
@@ -269,7 +269,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_pin(args: argparse.Namespace) -> int:
     spec = get_spec(args.kernel)
     db = ResultsDB()
-    wl = resolve(spec, None, args.workload) if "=" in args.workload else known_workload(db, spec, args.workload)
+    wl = resolve(spec, None, args.workload) if "=" in args.workload \
+        else active_workload(spec, args.workload, db.active_entry(spec.name, args.workload))
     hw = _hw(args.isa)
     cfg = spec.space(wl.shape, hw).validate(config_from_json(args.config, "config"))
     with Runner() as runner:
@@ -296,16 +297,12 @@ def cmd_unpin(args: argparse.Namespace) -> int:
     return 0
 
 
-def known_workload(db: ResultsDB, spec: KernelSpec, name: str) -> Workload:
-    """A bundled workload or custom-shape name, or one tuned before from a workloads file (its shape is kept in
-    its active entry), so `pin` and `verify` work on imported layers without the file."""
-    try:
-        return resolve(spec, name, None)
-    except BadInput:
-        e = db.active_entry(spec.name, name)
-        if e and e.get("shape"):
-            return Workload(name, spec.validate_shape(e["shape"]), "active")
-        raise
+def active_workload(spec: KernelSpec, name: str, entry: dict | None) -> Workload:
+    """The workload of an active slot by the shape its entry keeps, else by name (bundled or custom.*): a layer
+    tuned from a workloads file has no other record of its shape, so `pin` and `verify` work without the file."""
+    if entry and entry.get("shape"):
+        return Workload(name, spec.validate_shape(entry["shape"]), "active")
+    return resolve(spec, name, None)
 
 
 def verify_selection(slots: dict[str, dict], kernel: str | None, workload: str | None,
@@ -340,8 +337,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for slot, e in slots.items():
             kernel, workload = slot.split("/", 1)
             spec = get_spec(kernel)
-            wl = Workload(workload, spec.validate_shape(e["shape"]), "active") if e.get("shape") \
-                else resolve(spec, workload, None)
+            wl = active_workload(spec, workload, e)
             if e.get("session_id"):
                 m = session.remeasure(spec, wl, [e["config"]], e["session_id"], "verify", rounds=2)[0]
             else:  # a pin made before any tuning has no session to journal under

@@ -95,8 +95,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise BadInput(f"records file {r} not found")
         sessions, other = D.check_records(Path(r))
         if other:
-            log.warning("records file %s: %d of %d lines are not tuning records; training skips them", r, other,
-                        sessions + other)
+            log.warning("records file %s: %d of %d JSON records are not tuning sessions; training skips them", r,
+                        other, sessions + other)
     out = Path(args.out) if args.out else paths.state_dir() / "models"
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out} is a file; the model and its card go in a directory")

@@ -222,17 +222,21 @@ def is_session(rec: object) -> bool:
 
 
 def check_records(path: Path) -> tuple[int, int]:
-    """(sessions, other lines) in a records file, read before minutes of training are spent on it: a file that is
-    neither a results DB nor JSONL records, or holds no session, is BadInput naming it."""
+    """(sessions, other JSON records) in a records file, read before minutes of training are spent on it: a file
+    that is neither a results DB nor JSONL records, or holds no session, is BadInput naming it."""
     fix = "give a results DB (results.db) or a JSONL export of tuning records (`edgetune fleet export-records`)"
+    sessions = other = 0
     try:
-        recs = list(iter_record_sources(path))
+        for rec in iter_record_sources(path):
+            if is_session(rec):
+                sessions += 1
+            else:
+                other += 1
     except (UnicodeDecodeError, OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
         raise BadInput(f"records file {path} cannot be read as records ({e}); {fix}") from None
-    sessions = sum(map(is_session, recs))
     if not sessions:
         raise BadInput(f"records file {path} holds no tuning sessions; {fix}")
-    return sessions, len(recs) - sessions
+    return sessions, other
 
 
 def load_records(path: Path, cases: dict | None = None, heldout: set | None = None) -> tuple[dict, int]:
