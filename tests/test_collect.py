@@ -7,10 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from kernels.space import config_key
+from tests.polling import wait_until
 from tuner.collect import data_card, leaders_id, read_rows, shape_key
 from tuner.train.data import add_measurement, load_collector, load_records
 
@@ -32,11 +32,14 @@ def _measurements(path: Path) -> list[dict]:
 def _run_until(out: Path, enough) -> list[dict]:
     """Start the collector, SIGKILL it once the journal satisfies `enough` (awaited, not slept), return the rows."""
     p = _collect(out)
-    deadline = time.monotonic() + 240
-    while not out.exists() or not enough(_measurements(out)):
-        assert p.poll() is None, p.stdout.read()
-        assert time.monotonic() < deadline, "the collector did not get there in 240 s"
-        time.sleep(0.02)
+
+    def there() -> bool:
+        if out.exists() and enough(_measurements(out)):
+            return True
+        assert p.poll() is None, p.stdout.read()  # the collector died: fail now, with what it said
+        return False
+
+    wait_until(there, "the collector to get there", 240, interval=0.02)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     return _measurements(out)

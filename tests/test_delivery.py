@@ -8,7 +8,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +19,7 @@ from edgetune.protocol import Topics, encode
 from fleet.listener import Listener
 from fleet.store import FleetStore
 from tests.broker import Mosquitto
+from tests.polling import wait_until
 from tests.test_daemon_support import Bus, DaemonProc, daemon_config
 
 T = 60.0
@@ -34,15 +34,6 @@ def listener(broker: Mosquitto, db: Path, client_id: str = "fleet-e2e") -> Liste
     lst = Listener(settings(broker), db, client_id=client_id).start()
     assert lst.subscribed.wait(T), "listener did not subscribe"
     return lst
-
-
-def wait_until(pred, timeout: float = T, what: str = "condition", poll=None) -> None:
-    """For state only reachable by polling a DB file (another process writes it); `poll` is the event to wait on
-    between checks when there is one."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        (poll or (lambda: time.sleep(0.05)))()
 
 
 def stops_cleanly(d: DaemonProc) -> None:
@@ -97,7 +88,7 @@ def test_records_and_results_stay_on_the_device_until_the_fleet_committed_them(t
                            and s["outbox"]["awaiting_fleet_ack"] >= 2, T)
         assert st["outbox"]["awaiting_fleet_ack"] >= 2  # the record and the final response: broker has, fleet not
         wait_until(lambda: "Outgoing messages are being dropped" in (broker.workdir / "mosquitto.log").read_text(),
-                   what="the broker dropping the fleet's queued messages")
+                   "the broker dropping the fleet's queued messages", T)
 
         lst = listener(broker, db)
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import tty
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from hwprobe.power import meter_from_config
 from kernels.registry import get_spec
 from kernels.worker import Runner
+from tests.polling import wait_until
 from tuner.db import ResultsDB
 from tuner.objective import Objective
 from tuner.session import Budget, Session
@@ -75,10 +75,7 @@ def meter_peer(tmp_path):
 def _meter(link):
     m = meter_from_config({**CSV, "port": str(link)})
     m.start()
-    deadline = time.monotonic() + 10
-    while not m.connected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert m.connected, m.status
+    wait_until(lambda: m.connected, lambda: f"the meter to connect ({m.status})", 10, interval=0.02)
     return m
 
 

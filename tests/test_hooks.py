@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.polling import wait_until
+
 REPO = Path(__file__).resolve().parent.parent
 HOOKS_DIR = REPO / "systemd" / "hooks"
 HOOKS = {"ArtifactCommit_Leave_50_edgetune": "mender", "rauc-post-install.sh": "rauc",
@@ -115,10 +117,8 @@ def test_daemon_up_receives_each_hook(tmp_path) -> None:
             print(r.stderr.strip())
             assert r.returncode == 0 and "notify firmware-changed succeeded" in r.stderr
             assert not (d.state_dir / "firmware-changed").exists()  # delivered, so no marker
-            deadline = time.monotonic() + 30
-            while f"firmware changed ({source})" not in d.log:
-                assert time.monotonic() < deadline, f"daemon never logged the {source} notify:\n{d.log[-3000:]}"
-                time.sleep(0.05)
+            wait_until(lambda: f"firmware changed ({source})" in d.log,
+                       lambda: f"the daemon to log the {source} notify:\n{d.log[-3000:]}", 30)
         assert d.signal(signal.SIGTERM) == 0
     finally:
         d.stop()

@@ -238,6 +238,8 @@ def test_train_from_records_jsonl(tmp_path):
                         "--out", str(out), "--steps", "3", "--json"], capture_output=True, text=True, timeout=300,
                        cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
+    n = sum(len(r["measurements"]) for r in recs)
+    assert f"6 record sessions ({n} measurements; 6 new cases)" in p.stdout + p.stderr
     d = json.loads(p.stdout)
     model = Path(d["model"])
     assert model.exists() and model.stat().st_size < 5 * 1024 * 1024

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from edgetune import release as rel
 from edgetune.protocol import MODEL_STATE, MODEL_STATES
 from tests.broker import free_port
+from tests.polling import wait_until
 from tests.test_daemon_support import Bus, DaemonProc, daemon_config, retained
 from tuner.model.inference import PROMPT_FORMAT, bundled_model_path
 
@@ -304,14 +305,6 @@ def test_bad_releases_and_bad_files_are_refused_with_a_reason_and_the_model_keep
         bus.close()
 
 
-def wait_for(pred, what: str, timeout: float = T) -> None:
-    """For what only another process's files show (the daemon's log, its .part file)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 # ---- 2, 3, 5: a download that stops half-way resumes; kill -9 at any point leaves a working model and resumes ---
 
 def test_kill9_while_downloading_evaluating_or_just_after_commit_resumes_on_a_working_model(tmp_path, mosquitto,
@@ -330,7 +323,7 @@ def test_kill9_while_downloading_evaluating_or_just_after_commit_resumes_on_a_wo
         # kill -9 mid-download: the restart resumes from the .part with a Range request
         since = publish(bus, s.release(s.manifest(v2, 2)))
         assert f.held.wait(T), "the download never started"
-        wait_for(lambda: part.exists() and part.stat().st_size > 0, "bytes in the .part file")
+        wait_until(lambda: part.exists() and part.stat().st_size > 0, "bytes in the .part file", T)
         d.kill9()
         f.release.set()
         have = part.stat().st_size
@@ -361,7 +354,7 @@ def test_kill9_while_downloading_evaluating_or_just_after_commit_resumes_on_a_wo
         requests = len(f.ranges)
         d.kill9()
         d.start()
-        wait_for(lambda: "rollout r2 was handled already" in d.log, "the restarted daemon to skip the release")
+        wait_until(lambda: "rollout r2 was handled already" in d.log, "the restarted daemon to skip the release", T)
         assert model_status(d)["release"] == 3 and len(f.ranges) == requests
 
         # a signed rollback to v2 returns to the previous slot: no download, only a load check
@@ -546,12 +539,12 @@ def test_over_mqtt_bad_chunks_are_refused_and_a_daemon_killed_mid_transfer_asks_
             fleet.send(0, bad)
         for i in range(5):
             fleet.send(i)
-        wait_for(lambda: index.exists() and index.read_text().split() == [str(cs), "0", "1", "2", "3", "4"],
-                 "five chunks on disk")
+        wait_until(lambda: index.exists() and index.read_text().split() == [str(cs), "0", "1", "2", "3", "4"],
+                   "five chunks on disk", T)
         for why in ("refused a chunk: model/chunk: not JSON", "refused a chunk: model/chunk: oversized",
                     "ignoring a chunk of another file", f"refused chunk {n}: past the file's {n} chunks",
                     f"refused chunk 0: 5 bytes, that chunk has {cs}", "data of chunk 1 is not base64"):
-            wait_for(lambda: why in d.log, why, 30)
+            wait_until(lambda: why in d.log, why, 30)
         d.kill9()
         assert pointer(d)["current"] is None and part.read_bytes()[:5 * cs] == NEW[:5 * cs]
 

@@ -17,6 +17,7 @@ from hwprobe.power import (EnergyUnavailable, Sample, ThreadedMeter, energy_per_
                           measure_idle, measure_window, meter_from_config)
 from hwprobe.power.um import FRAME, find_frame, parse_frame
 from edgetune.errors import BadInput
+from tests.polling import wait_until
 
 # The peer: owns the pty master, speaks one protocol, and draws `idle` watts until told "busy W S" on stdin,
 # which makes it draw W for S seconds and print the window (its time.monotonic(), the same clock as ours).
@@ -107,16 +108,6 @@ KV = {"meter": "text", "format": "kv", "voltage": "Load Voltage", "current": "Cu
 FAST = {"max_gap_s": 0.25, "retry_s": 0.05, "idle_s": 0.5}
 
 
-def wait_for(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
-    """Poll `pred` until truthy or the deadline; fail the test with `what` otherwise."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 @dataclass
 class Peer:
     proc: subprocess.Popen
@@ -175,7 +166,7 @@ def meters() -> Callable[[ThreadedMeter], ThreadedMeter]:
 
 def check_energy(meter: ThreadedMeter, p: Peer) -> float:
     """Idle baseline, then a known busy window: the integrated energy must match the profile."""
-    wait_for(lambda: meter.connected, what=f"meter connected ({meter.status})")
+    wait_until(lambda: meter.connected, f"meter connected ({meter.status})", 10.0, interval=0.01)
     idle = measure_idle(meter)
     assert idle == pytest.approx(IDLE_W, rel=0.01)
     t0, t1 = p.busy(BUSY_W, BUSY_S)
@@ -255,24 +246,25 @@ def test_unplug_mid_run_reconnects_and_reports_the_gap(peer, meters, tmp_path) -
     first = peer("csv")
     link.symlink_to(first.path)
     m = meters(meter_from_config({**CSV, "port": str(link), **FAST}))
-    wait_for(lambda: m.connected, what="first connection")
+    wait_until(lambda: m.connected, "first connection", 10.0, interval=0.01)
     t0 = time.monotonic()
-    wait_for(lambda: m.samples_between(t0, t0 + 10), what="samples before the unplug")
+    wait_until(lambda: m.samples_between(t0, t0 + 10), "samples before the unplug", 10.0, interval=0.01)
 
     first.unplug()
-    st = wait_for(lambda: (s := m.status).state == "disconnected" and s, what="disconnect noticed")
+    st = wait_until(lambda: (s := m.status).state == "disconnected" and s, "disconnect noticed", 10.0, interval=0.01)
     print("after unplug:", st)
     assert "lost" in st.detail or "cannot open" in st.detail
     # The cable stays out longer than max_gap_s (a shorter blip is bridged by interpolation, by design).
-    wait_for(lambda: m.status.last_sample_age_s > 2 * FAST["max_gap_s"], what="meter silent while unplugged")
+    wait_until(lambda: m.status.last_sample_age_s > 2 * FAST["max_gap_s"], "meter silent while unplugged", 10.0,
+               interval=0.01)
 
     second = peer("csv")
     tmp = tmp_path / "ttyMETER.new"
     tmp.symlink_to(second.path)
     tmp.replace(link)
-    wait_for(lambda: m.connected and m.status.reconnects == 1, what="reconnect on the new device")
+    wait_until(lambda: m.connected and m.status.reconnects == 1, "reconnect on the new device", 10.0, interval=0.01)
     t1 = time.monotonic()
-    wait_for(lambda: m.wait_until(t1 + 0.05, 0.1), what="samples after the reconnect")
+    wait_until(lambda: m.wait_until(t1 + 0.05, 0.1), "samples after the reconnect", 10.0, interval=0.01)
 
     with pytest.raises(EnergyUnavailable, match="hole in meter samples") as e:
         energy_per_call(m, t0, t1, CALLS, IDLE_W)  # the run that straddled the unplug
@@ -292,8 +284,8 @@ def test_wrong_baud_gives_no_samples_and_a_clear_status(peer, meters, mode, cfg)
     p = peer(mode)
     m = meters(meter_from_config({**cfg, "port": p.path, **FAST}))
     # ("open but silent" may come first, until the first garbage frame is judged)
-    st = wait_for(lambda: (s := m.status).state == "no_data" and "wrong baud" in s.detail and s,
-                  what="no_data status naming the baud rate")
+    st = wait_until(lambda: (s := m.status).state == "no_data" and "wrong baud" in s.detail and s,
+                    "no_data status naming the baud rate", 10.0, interval=0.01)
     print(f"{mode}: {st}")
     assert st.samples == 0 and st.bad_frames > 0 and not m.connected
     with pytest.raises(EnergyUnavailable, match="no meter samples"):
@@ -302,7 +294,7 @@ def test_wrong_baud_gives_no_samples_and_a_clear_status(peer, meters, mode, cfg)
 
 def test_missing_port_is_a_status_not_an_exception(meters) -> None:
     m = meters(meter_from_config({**CSV, "port": "/dev/ttyUSB-edgetune-absent", **FAST}))
-    st = wait_for(lambda: (s := m.status).state == "disconnected" and s, what="disconnected status")
+    st = wait_until(lambda: (s := m.status).state == "disconnected" and s, "disconnected status", 10.0, interval=0.01)
     print("missing port:", st)
     assert "No such file" in st.detail and not m.connected
     t = time.monotonic()
@@ -314,7 +306,7 @@ def test_missing_port_is_a_status_not_an_exception(meters) -> None:
 def test_short_window_is_refused(peer, meters) -> None:
     p = peer("csv")
     m = meters(meter_from_config({**CSV, "port": p.path, **FAST}))
-    wait_for(lambda: m.connected, what="connected")
+    wait_until(lambda: m.connected, "connected", 10.0, interval=0.01)
     t = time.monotonic()
     with pytest.raises(EnergyUnavailable, match="run the benchmark longer"):
         measure_window(m, t, t + 0.005)
@@ -342,9 +334,9 @@ def test_rapl_counter_with_wraparound(tmp_path, meters) -> None:
     (zone / "max_energy_range_uj").write_text(f"{max_uj}\n")
     counter = subprocess.Popen([sys.executable, "-c", RAPL_COUNTER, str(zone), str(watts), str(max_uj)])
     try:
-        wait_for(lambda: (zone / "energy_uj").exists(), what="the counter")
+        wait_until(lambda: (zone / "energy_uj").exists(), "the counter", 10.0, interval=0.01)
         m = meters(meter_from_config({"meter": "rapl", "zone": str(zone), "poll_s": 0.02, **FAST}))
-        wait_for(lambda: m.connected, what="rapl samples")
+        wait_until(lambda: m.connected, "rapl samples", 10.0, interval=0.01)
         # 10%: the fake counter is a userspace process whose updates lag by up to ~100 ms on a loaded machine
         # (6% low was seen at load 14); a missed wrap (2 J in 1 s, 27%) or a unit slip would be off by far more.
         assert measure_idle(m, 1.0) == pytest.approx(watts, rel=0.10)
@@ -355,5 +347,5 @@ def test_rapl_counter_with_wraparound(tmp_path, meters) -> None:
 
 def test_rapl_missing_zone(tmp_path, meters) -> None:
     m = meters(meter_from_config({"meter": "rapl", "zone": str(tmp_path / "none"), **FAST}))
-    st = wait_for(lambda: (s := m.status).state == "disconnected" and s, what="disconnected")
+    st = wait_until(lambda: (s := m.status).state == "disconnected" and s, "disconnected", 10.0, interval=0.01)
     assert "max_energy_range_uj" in st.detail

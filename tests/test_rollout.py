@@ -23,6 +23,7 @@ from fleet import rollout_store as rs
 from fleet.rollout import Policy, cohorts, decide, phases_from, plan, rollout_summary, select_devices
 from fleet.signing import create_key, load_private_key
 from fleet.store import open_fleet_store
+from tests.polling import wait_until
 from tests.test_fleet import db  # noqa: F401  (the SQLite / PostgreSQL fixture)
 from tuner.model.inference import bundled_model_path
 
@@ -372,16 +373,14 @@ def test_a_released_device_that_never_reports_is_timed_out_and_trips_the_abort_r
     try:
         with open_fleet_store(db) as store:
             # dev-0 reports at once (committed); dev-1, sent the release too, says nothing
-            deadline = time.monotonic() + 60
-            while not all(t["sent_at"] for t in rs.targets(store, row["id"])):
-                assert time.monotonic() < deadline, "the release was never sent"
-                time.sleep(0.05)
+            deadline = time.monotonic() + 60  # one budget for the three waits
+            wait_until(lambda: all(t["sent_at"] for t in rs.targets(store, row["id"])), "the release to be sent", 60)
             rs.put_model_state(store, "dev-0", {}, {"state": "committed", "rollout_id": row["id"], "phase": "100%",
                                                      "version": 2, "reason": None, "detail": "", "ts": time.time()},
                                time.time())
-            while rs.rollout(store, row["id"])["state"] != "aborted":
-                assert time.monotonic() < deadline, rs.targets(store, row["id"])
-                time.sleep(0.05)
+            wait_until(lambda: rs.rollout(store, row["id"])["state"] == "aborted",
+                       lambda: f"the rollout to abort (targets: {rs.targets(store, row['id'])})",
+                       deadline - time.monotonic())
             r = rs.rollout(store, row["id"])
             silent = {t["device_id"]: t for t in rs.targets(store, row["id"])}["dev-1"]
             assert (silent["state"], silent["reason"]) == ("timed_out", "report_timeout")
@@ -392,8 +391,8 @@ def test_a_released_device_that_never_reports_is_timed_out_and_trips_the_abort_r
             summary = rollout_summary(r, rs.targets(store, row["id"]))
             assert summary["totals"]["timed_out"] == 1 and summary["report_timeout_s"] == 1.0
             # the signed rollback goes to both (dev-1 may yet have received the release)
-            while retained(mosquitto, "edgetune/v1/dev-1/model/release")["phase"] != "rollback":
-                assert time.monotonic() < deadline, "no rollback for the silent device"
+            wait_until(lambda: retained(mosquitto, "edgetune/v1/dev-1/model/release")["phase"] == "rollback",
+                       "a rollback for the silent device", deadline - time.monotonic(), interval=0)
             # a late report still counts: the verdict was the fleet's, not the device's
             rs.put_model_state(store, "dev-1", {}, {"state": "failed", "rollout_id": row["id"], "phase": "100%",
                                                      "version": 2, "reason": "disk_full", "detail": "",

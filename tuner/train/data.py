@@ -64,6 +64,11 @@ class Case:
         """config_key -> median ms: the reference table of this case."""
         return {k: statistics.median(v) for k, v in self.ms.items() if v}
 
+    @property
+    def n_measured(self) -> int:
+        """Ok measurements held (a config measured twice counts twice)."""
+        return sum(len(v) for v in self.ms.values())
+
     def ranked(self) -> list[tuple[dict, float]]:
         """Configs, fastest first. Leaders measured again side by side (`phase=confirm`) come first, ranked by
         those rounds alone: they are comparable with each other, while the first measurements span hours of host

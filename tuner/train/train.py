@@ -323,20 +323,23 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
                 h.update(json.dumps(row, sort_keys=True).encode())
     heldout = {c.problem for c in cases.values() if c.split == "heldout"}
     n_sessions, from_journal = 0, len(cases)
+    measured = sum(c.n_measured for c in cases.values())
     for p in records:
         _, n = D.load_records(p, cases, heldout)
         n_sessions += n
         h.update(Path(p).read_bytes())
-    if records and len(cases) == from_journal:
-        print(f"warning: the {n_sessions} record sessions added no case (records of another kernel version, or of "
-              "held-out problems, are left out)", flush=True)
+    measured = sum(c.n_measured for c in cases.values()) - measured  # a record of a journal case's problem on
+    #                                                                   the same device joins that case
+    if records and not measured:
+        print(f"warning: the {n_sessions} record sessions added no measurement (records of another kernel version, "
+              "or of held-out problems, are left out)", flush=True)
     dataset_sha = h.hexdigest()
     train, held = D.split_cases(cases)
     if not train:
         raise SystemExit("no training cases in the data")
     examples = D.training_examples(train, top=r.top, tau=r.tau)
     print(f"cases: {len(train)} train, {len(held)} held-out; {len(examples)} weighted examples; "
-          f"{n_sessions} record sessions ({len(cases) - from_journal} cases)", flush=True)
+          f"{n_sessions} record sessions ({measured} measurements; {len(cases) - from_journal} new cases)", flush=True)
     hw_rng = random.Random(r.seed)
     variants = {id(c): hw_variants(c.hw, hw_rng) for c in train + held} if r.hw_mix > 0 else {}
     histories = draw_histories(train, r.histories, r.seed) if r.hist_mix > 0 else {}
