@@ -46,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cli_args import output_file  # noqa: E402
 from kernels.registry import all_specs, get_spec  # noqa: E402
 from kernels.space import Config, config_key  # noqa: E402
 from tuner.evaluate import Measured, Replay, TableSpace  # noqa: E402
@@ -497,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return tuners_real.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # handled above, listed here so that --help shows the run the README quotes
+    ap.add_argument("--real-layers", action="store_true",
+                    help="instead: tune held-out real model layers for real (bench/tuners_real.py; "
+                         "`--real-layers --help` lists its flags)")
     ap.add_argument("--data", default=str(D.DEFAULT_DATA))
     ap.add_argument("--model", help="GGUF (default: the bundled model)")
     ap.add_argument("--budget", type=int, default=20)
@@ -505,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real", type=int, default=0, help="also tune N held-out workloads for real")
     ap.add_argument("--measure-topk", type=int, default=0, metavar="K",
                     help="also compile and measure the model's unrestricted top-K on every held-out case")
-    ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--json", type=output_file, help="write all results to this file")
     a = ap.parse_args(argv)
     names = [s for s in a.strategies.split(",") if s != "peers"]
     if "peers" in a.strategies.split(","):

@@ -25,6 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.cli_args import at_least  # noqa: E402
+from edgetune.errors import EdgetuneError  # noqa: E402
 from hwprobe.target import describe  # noqa: E402
 from kernels import pch  # noqa: E402
 from kernels.build import code_flags, compile_command, precompiled, target_compiler  # noqa: E402
@@ -44,11 +46,15 @@ def timed(cmd: list[str]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", type=int, default=8, help="configs per kernel (default 8)")
+    ap.add_argument("--configs", type=at_least(1), default=8, help="configs per kernel (default 8)")
     ap.add_argument("--isa", help="the ISA cap to build for (default: this machine's)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    hw = describe(a.isa)
+    try:
+        hw = describe(a.isa)
+    except EdgetuneError as e:  # an --isa this machine cannot build for: its message lists the levels
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     cc, cc_id = target_compiler(hw)
     jobs = max(1, hw.cores)
     rng = random.Random(a.seed)

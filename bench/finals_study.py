@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cli_args import at_least, output_file  # noqa: E402
 from kernels.measure import Measurement  # noqa: E402
 from kernels.registry import all_specs  # noqa: E402
 from kernels.space import config_key  # noqa: E402
@@ -47,7 +48,7 @@ WINDOWS = sorted({w for sw, fws, _ in POLICIES.values() for w in [sw, *fws]})
 POLICY_ROUNDS = 1 + max(len(fws) for _, fws, _ in POLICIES.values())  # a search round + the most final rounds
 
 
-def collect(rounds: int) -> list[dict]:
+def collect(rounds: int, cases: int | None = None) -> list[dict]:
     from hwprobe import probe
     from kernels.build import CompileError
     from kernels.worker import Runner
@@ -56,6 +57,7 @@ def collect(rounds: int) -> list[dict]:
 
     _, held = D.split_cases(D.load_collector(D.DEFAULT_DATA))
     held.sort(key=lambda c: (c.kernel, c.isa, c.workload))
+    held = held[:cases]
     specs, prop, hws, out = all_specs(), load_proposer(None), {}, []
     with Runner() as runner:
         for i, case in enumerate(held):
@@ -192,18 +194,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2 * POLICY_ROUNDS,
                     help=f"rounds measured per case (a policy uses {POLICY_ROUNDS}, the truth the rest)")
-    ap.add_argument("--draws", type=int, default=300, help="bootstrap splits of the rounds per case")
-    ap.add_argument("--json", help="write the collected measurements here")
+    ap.add_argument("--draws", type=at_least(1), default=300, help="bootstrap splits of the rounds per case")
+    ap.add_argument("--cases", type=at_least(1), help="only the first N held-out cases (a quick run; default: all)")
+    ap.add_argument("--json", type=output_file, help="write the collected measurements here")
     ap.add_argument("--load", help="analyse measurements collected earlier instead of measuring")
     a = ap.parse_args(argv)
     if not a.load and a.rounds < 2 * POLICY_ROUNDS:
         ap.error(f"--rounds {a.rounds}: a policy uses {POLICY_ROUNDS} rounds and the truth as many again; "
                  f"use at least {2 * POLICY_ROUNDS}")
     if a.load:
-        cases = json.loads(Path(a.load).read_text())["cases"]
+        try:
+            cases = json.loads(Path(a.load).read_text())["cases"][:a.cases]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--load {a.load}: cannot read a study written by --json ({e})")
     else:
         load0 = os.getloadavg()[0]
-        cases = collect(a.rounds)
+        cases = collect(a.rounds, a.cases)
         print(f"collected at load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
         if a.json:
             Path(a.json).write_text(json.dumps({"windows": WINDOWS, "cases": cases}))

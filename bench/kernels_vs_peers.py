@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cli_args import at_least, output_file, positive  # noqa: E402
 from bench.peers import ort_native, tflite_xnnpack, torch_logmel  # noqa: E402
 from bench.peers.cases import ACTIVATIONS, Epilogue, PeerCase, fuses_epilogue, make_case  # noqa: E402
 from bench.peers.edgetune_kernels import (EdgetunePeer, LongTune, Tuned, default_config,  # noqa: E402
@@ -281,23 +282,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernels", action="append", help="kernels to bench, comma-separated (default: all)")
     ap.add_argument("--workloads", action="append", help="workloads to bench, comma-separated (default: all)")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated (default: 1,2)")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per row (default: 7)")
-    ap.add_argument("--tune-evals", type=int, default=60,
+    ap.add_argument("--rounds", type=at_least(1), default=7, help="interleaved rounds per row (default: 7)")
+    ap.add_argument("--tune-evals", type=at_least(0), default=60,
                     help="evals of the long tune per workload and thread count, cached (0: tuned = default)")
     ap.add_argument("--tuned-from", metavar="RESULTS_DB", help="take the tuned configs from a prior `edgetune tune`'s "
                     "results.db (its active configs, threads set to each row's count) instead of tuning")
     ap.add_argument("--bias", action="store_true", help="peers add a bias vector (a fused epilogue)")
     ap.add_argument("--act", default="none", choices=ACTIVATIONS, help="peers' fused activation (default: none)")
-    ap.add_argument("--min-time", type=float, default=0.02, help="seconds each contender runs per round")
+    ap.add_argument("--min-time", type=positive, default=0.02, help="seconds each contender runs per round")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="FILE", help="also write every round's times and the ratios to FILE")
+    ap.add_argument("--json", metavar="FILE", type=output_file,
+                    help="also write every round's times and the ratios to FILE")
     args = ap.parse_args(argv)
+    text = args.threads
     try:
-        args.threads = [int(t) for t in args.threads.split(",")]
+        args.threads = [int(t) for t in text.split(",")]
     except ValueError:
-        raise BadInput(f"--threads {args.threads!r} must be comma-separated integers, e.g. 1,2")
-    if any(t < 1 for t in args.threads) or args.rounds < 1 or args.min_time <= 0:
-        raise BadInput("--threads must be >= 1, --rounds >= 1 and --min-time > 0")
+        raise BadInput(f"--threads {text!r} must be comma-separated integers, e.g. 1,2")
+    if any(t < 1 for t in args.threads):
+        raise BadInput(f"--threads {text!r}: every thread count must be at least 1, e.g. 1,2")
     args.kernels, args.workloads = _csv(args.kernels), _csv(args.workloads)
     return args
 

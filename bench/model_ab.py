@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare_tuners as CT  # noqa: E402  (puts the repository on sys.path)
+from bench.cli_args import output_file  # noqa: E402
 from kernels.registry import all_specs  # noqa: E402
 from kernels.space import Config, config_key  # noqa: E402
 from tuner.train import data as D  # noqa: E402
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=str(D.DEFAULT_DATA))
     ap.add_argument("--real-layers", action="store_true", help="judge on bench/real_layers.toml (needs --refs)")
     ap.add_argument("--refs", type=Path, help="the real layers' references (compare_tuners.py --refs)")
-    ap.add_argument("--json", help="write the per-case rows to this file")
+    ap.add_argument("--json", type=output_file, help="write the per-case rows to this file")
     a = ap.parse_args(argv)
     from kernels.worker import Runner
     from tuner.model.inference import ModelError

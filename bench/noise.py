@@ -14,6 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cli_args import at_least  # noqa: E402
+from edgetune.errors import EdgetuneError  # noqa: E402
 from hwprobe import probe  # noqa: E402
 from kernels.registry import get_spec  # noqa: E402
 from kernels.worker import Runner  # noqa: E402
@@ -36,16 +38,21 @@ def _series(ev: Measured, cfg: dict, runs: int) -> dict:
             "load1": os.getloadavg()[0]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="gemm")
     ap.add_argument("--workload", default="mobilenetv2.b6.project")
-    ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2)
-    args = ap.parse_args()
+    ap.add_argument("--runs", type=at_least(1), default=10, help="estimates per condition (default 10)")
+    ap.add_argument("--hogs", type=at_least(0), default=os.cpu_count() or 2,
+                    help="background CPU hog processes (default: one per core)")
+    args = ap.parse_args(argv)
+    try:
+        spec = get_spec(args.kernel)  # a bad name is a usage error, before anything is measured
+        wl = spec.workload(args.workload)
+    except EdgetuneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     hw = probe(measure_bandwidth=False)
-    spec = get_spec(args.kernel)
-    wl = spec.workload(args.workload)
     with Runner() as runner:
         ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner)
         cfg = ev.space().valid_default()
@@ -65,10 +72,11 @@ def main() -> None:
     print(f"{'condition':10} {'median ms':>10} {'CV between':>11} {'CV within':>10} {'reps used/reps':>15} "
           f"{'min-fallbacks':>13} {'load1':>6}")
     for name, s in (("quiet", quiet), ("cpu hog", loaded)):
-        print(f"{name:10} {s['median_ms']:10.4f} {s['between_runs_cv']:11.3f} {s['within_run_cv']:10.3f} "
+        print(f"{name:10} {s['median_ms']:10.4g} {s['between_runs_cv']:11.3f} {s['within_run_cv']:10.3f} "
               f"{s['reps_used']:>7.0f}/{s['reps']:<7.0f} {s['fallbacks']:13d} {s['load1']:6.2f}")
     print(f"# hog/quiet median ratio {loaded['median_ms'] / quiet['median_ms']:.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

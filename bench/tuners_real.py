@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench.cli_args import output_file  # noqa: E402
 from edgetune import paths  # noqa: E402
 from edgetune.atomic import write_atomic  # noqa: E402
 from kernels.measure import TIE_THRESHOLD  # noqa: E402
@@ -159,7 +160,7 @@ def tune(sess, spec: KernelSpec, wl: Workload, name: str, budget: int, seed: int
     t0 = time.time()
     try:
         res = sess.tune(spec, wl, strategy_obj=strat, seed=seed, force=True,
-                        budget=Budget(evals=budget, patience=None, until_converged=False))
+                        budget=Budget.whole(budget))
     finally:
         if hasattr(strat, "close"):
             strat.close()
@@ -362,10 +363,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budget", type=int, default=max(BUDGETS), help="evaluations per session")
     ap.add_argument("--rounds", type=int, default=5, help="side-by-side rounds per layer")
     ap.add_argument("--ref-evals", type=int, default=80, help="evaluations of the reference search")
-    ap.add_argument("--refs", default=str(paths.cache_dir() / "bench-real-refs.json"),
+    ap.add_argument("--refs", type=output_file, default=str(paths.cache_dir() / "bench-real-refs.json"),
                     help="reference cache (per machine, ISA, kernel source and shape)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write every layer's runs (after each layer) and the summaries here")
+    ap.add_argument("--json", type=output_file,
+                    help="write every layer's runs (after each layer) and the summaries here")
     ap.add_argument("--resume", action="store_true", help="skip the layers --json already holds")
 
 

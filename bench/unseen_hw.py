@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench.cli_args import output_file  # noqa: E402
 from kernels.space import config_key  # noqa: E402
 
 TREES = ROOT / "tests" / "data" / "hwtrees"
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-measure", action="store_true", help="only the described devices (no timing)")
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file, help="write the per-layer rows to this file")
     a = ap.parse_args(argv)
     layers = load_layers(Path(a.layers), [], a.per_kernel, [])
     prop = load_proposer()

@@ -85,7 +85,7 @@ def check_args(op: str, args: Any) -> dict:
         if problem:
             raise Rejected(f"bad args: {problem}")
     if "budget" in args and not (type(args["budget"]) is int and 1 <= args["budget"] <= 100_000):
-        raise Rejected("bad args: budget must be an integer 1-100000 (evals per workload)")
+        raise Rejected(f"bad args: budget {args['budget']!r} must be an integer 1-100000 (evals per workload)")
     if "force" in args and not isinstance(args["force"], bool):
         raise Rejected("bad args: force must be true or false")
     return args

@@ -125,12 +125,21 @@ class Daemon:
                 step()
             except DBFull as e:
                 self._pause(str(e))
+                self._still_starting()
                 self._wake.wait(DISK_RETRY_S)
                 self._wake.clear()
                 continue
             self._resume()
             return True
         return False
+
+    def _still_starting(self) -> None:
+        """Paused before READY: the start would otherwise hit the unit's TimeoutStartSec, and Restart=on-failure
+        would loop on a full disk. Each retry extends the start timeout past the next one, and keeps the watchdog
+        fed where systemd already counts it."""
+        if not self._ready:
+            sdnotify.notify(EXTEND_TIMEOUT_USEC=int(3 * DISK_RETRY_S * 1e6),
+                            **({"WATCHDOG": 1} if sdnotify.watchdog_interval() else {}))
 
     def _pause(self, why: str) -> None:
         if self.paused is None:

@@ -162,9 +162,6 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds:.0f}s ago"
 
 
-_STATE_STYLE = {"online": "green", "offline": "yellow", "lost": "red"}
-
-
 def cmd_devices(args: argparse.Namespace) -> int:
     with _open_existing(args.db) as store:
         store.expire_commands(time.time())
@@ -175,7 +172,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
         if not ds:
             console.print("no devices yet")
             return
-        rows = [[d["id"], f"[{_STATE_STYLE.get(d['state'], 'dim')}]{d['state']}[/]", _ago(d["last_seen_ago_s"]),
+        rows = [[d["id"], d["state"], _ago(d["last_seen_ago_s"]),
                  d["cpu_model"] or "?", d["isa"] or "?", d["cores"] if d["cores"] is not None else "?",
                  d["tuned_workloads"], fmt(d["mean_speedup"], 2) + ("x" if d["mean_speedup"] else ""), d["records"],
                  _gaps(d["telemetry_gaps"])]
@@ -195,7 +192,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     with _open_existing(args.db) as store:
         summary = next(iter(store.devices(device=args.device)), None)
         if summary is None:
-            raise EdgetuneError(f"no device {args.device!r} in {store.path}; see `edgetune fleet devices`")
+            raise BadInput(f"no device {args.device!r} in {store.path}; see `edgetune fleet devices`")
         store.expire_commands(time.time())
         detail = store.device(args.device) or {}
         data = {**summary, "info": detail.get("info"), "active": store.active_configs(args.device),
@@ -229,15 +226,16 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---- retune ----------------------------------------------------------------------------------------------------
 
 def cmd_retune(args: argparse.Namespace) -> int:
-    from fleet.commands import describe_progress, new_command, progress_parts, send_command
+    from fleet.commands import MAX_TTL_S, describe_progress, new_command, progress_parts, send_command
 
     check_id(args.device, "device id")
     if args.budget is not None and args.budget <= 0:
         raise BadInput(f"--budget {args.budget}: must be a positive number of evaluations")
-    if args.timeout <= 0:
+    if not args.timeout > 0:
         raise BadInput(f"--timeout {args.timeout}: must be > 0 seconds")
-    if args.ttl <= 0:
-        raise BadInput(f"--ttl {args.ttl}: must be > 0 seconds")
+    if not 0 < args.ttl <= MAX_TTL_S:
+        raise BadInput(f"--ttl {args.ttl:g}: must be > 0 and at most {MAX_TTL_S:.0f} seconds (a device's broker "
+                       "session keeps queued commands that long)")
     for flag in ("kernel", "workload"):
         for v in getattr(args, flag) or []:
             if not v.strip():
@@ -343,6 +341,8 @@ def _known_device(db: str | None, device: str) -> bool | None:
 def cmd_export_records(args: argparse.Namespace) -> int:
     n, devices = 0, set()
     with _open_existing(args.db) as store:
+        if args.device and not store.devices(device=args.device):  # a typo would export nothing, silently
+            raise BadInput(f"--device {args.device!r}: no such device in {store.path}; see `edgetune fleet devices`")
         if args.output == "-":
             for rec in store.iter_export(args.device):
                 sys.stdout.write(json.dumps(rec, default=str) + "\n")

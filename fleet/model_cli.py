@@ -112,6 +112,12 @@ def _devices(args: argparse.Namespace, store: FleetStore) -> tuple[list[str] | N
     return select_devices(store, named, where), selector
 
 
+def _describe(selector: dict) -> str:
+    """The selection as the operator typed it (`--devices a,b --where isa=x86-64-v2`), not a Python dict."""
+    parts = [f"--devices {','.join(selector['devices'])}"] if selector["devices"] else []
+    return " ".join(parts + [f"--where {k}={v}" for k, v in selector["where"].items()])
+
+
 # ---- key ---------------------------------------------------------------------------------------------------------
 
 def cmd_key_create(args: argparse.Namespace, open_store: Opener) -> int:
@@ -136,10 +142,13 @@ MODEL_COLUMNS = ["version", "name", "sha256", "bytes", "model version", "source"
 def cmd_model_build(args: argparse.Namespace, open_store: Opener) -> int:
     if args.steps is not None and args.steps < 1:
         raise BadInput(f"--steps {args.steps}: must be >= 1")
+    if not args.max_minutes > 0:  # 0 was no limit at all: a full training run
+        raise BadInput(f"--max-minutes {args.max_minutes:g}: must be > 0 (default 30)")
     with open_store(args.db) as store:
         devices, selector = _devices(args, store)
         if devices == []:
-            raise BadInput(f"no device matches {selector}: nothing to train on (see `edgetune fleet devices`)")
+            raise BadInput(f"no device matches {_describe(selector)}: nothing to train on (see `edgetune fleet "
+                           "devices`)")
         err_console.print(f"training on the base data plus the records of "
                           f"{'every device' if devices is None else f'{len(devices)} device(s)'}; this takes minutes")
         m = registry.build(store, devices, args.out, steps=args.steps, max_minutes=args.max_minutes,

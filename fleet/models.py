@@ -23,6 +23,7 @@ from pathlib import Path
 from edgetune import paths
 from edgetune.errors import BadInput, EdgetuneError
 from edgetune.release import NAME_RE, canonical
+from edgetune.sqlite import DBError
 from fleet import rollout_store as rs
 from fleet.store import FleetStore
 from tuner.model.inference import MODEL_NAME, ModelError, bundled_model_path, check_gguf
@@ -60,7 +61,8 @@ def ensure_bundled(store: FleetStore) -> dict:
     card = json.loads(card_path.read_text()) if card_path.exists() else None
     try:
         return _register(store, path, "bundled", card, "shipped with edgetune", version=rs.BUNDLED_VERSION)
-    except BadInput:  # another server registered it a moment ago
+    except (BadInput, DBError):  # another server registered it a moment ago (servers starting together on one
+        # PostgreSQL: its row, uncommitted when ours looked, fails our insert on the unique key)
         found = rs.model(store, rs.BUNDLED_VERSION)
         if found is None:
             raise

@@ -94,6 +94,9 @@ def phases_from(cohort: str | None, phases: str | None) -> tuple[float, ...]:
     if phases:
         return tuple(percent(x, "--phases item") for x in phases.split(","))
     first = percent(cohort, "--cohort") if cohort else DEFAULT_PHASES[0]
+    if not 0 < first <= 100:  # 150% would silently become one phase of every target: the opposite of a canary
+        raise BadInput(f"--cohort {cohort}: the first phase's share of the targets, above 0% and at most 100%, "
+                       "e.g. 5%")
     return (first, *(p for p in DEFAULT_PHASES[1:] if p > first)) if first < 100 else (100.0,)
 
 

@@ -46,9 +46,9 @@ def _outside_state_dir(path: Path) -> None:
 
 def create_key(path: Path | None) -> KeyFiles:
     """A new key pair at `path` (0600) and `path`.pub; refuses to overwrite either."""
-    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    explicit = path is not None
     path = Path(path) if path else default_key_path()
     pub = path.with_name(path.name + ".pub")
     _outside_state_dir(path)
@@ -56,17 +56,34 @@ def create_key(path: Path | None) -> KeyFiles:
         if p.exists():
             raise BadInput(f"{p} exists: a signing key is never overwritten (devices trust it); pick another --out, "
                            "or remove it yourself if it is really unused")
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = Ed25519PrivateKey.generate()
+    try:
+        _write_pair(path, pub, key)
+    except OSError as e:
+        where = "--out" if explicit else "--out, or set CONFIGURATION_DIRECTORY to a directory you can write"
+        why = "a parent is not a directory" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+        raise BadInput(f"cannot write the signing key to {path}: {why or e}; pick another {where}") from None
+    return KeyFiles(path, pub, key_id(raw_public(key.public_key())))
+
+
+def _write_pair(path: Path, pub: Path, key: Any) -> None:
+    """The private key (0600 from its first byte) and its public key; never half a pair: a private key whose
+    public half could not be written is removed, so the next attempt does not find it "exists"."""
+    from cryptography.hazmat.primitives import serialization
+
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not even briefly
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-        f.flush()
-        os.fsync(f.fileno())
-    pub.write_bytes(_public_pem(key))
-    return KeyFiles(path, pub, key_id(raw_public(key.public_key())))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+            f.flush()
+            os.fsync(f.fileno())
+        pub.write_bytes(_public_pem(key))
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def load_private_key(path: Path) -> Any:

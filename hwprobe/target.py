@@ -94,9 +94,19 @@ def target_descriptor(isa: str, cores: int = TARGET_CORES) -> HwDescriptor:
     )
 
 
+def cross_levels() -> list[str]:
+    """The ISA levels `describe` takes for a generic device of another arch than this host's."""
+    return [r.name for a in TOOLCHAINS if a != host_arch() for r in LADDERS[a]]
+
+
 def describe(isa: str | None = None, *, measure_bandwidth: bool = False) -> HwDescriptor:
     """This host capped to `isa`, or, when `isa` is a level of a cross arch, a generic target of that level."""
     arch = arch_of(isa) if isa else None
     if arch is None or arch == host_arch() or arch not in TOOLCHAINS:
-        return probe(isa_cap=isa, measure_bandwidth=measure_bandwidth)
+        try:
+            return probe(isa_cap=isa, measure_bandwidth=measure_bandwidth)
+        except BadInput as e:  # the probe lists this host's levels only, and these verbs take the cross ones too
+            if not cross_levels():
+                raise
+            raise BadInput(f"{e}; or, for a generic device of another arch: {', '.join(cross_levels())}") from None
     return target_descriptor(isa)

@@ -72,7 +72,9 @@ def cmd_kernels(args: argparse.Namespace) -> int:
             })
 
     def render(rows: list[dict]) -> None:
-        table("bundled kernels", ["kernel", "domain", "shape (--shape)", "knobs", "workloads (valid configs)"], [
+        # the counts depend on the device (vector width, registers, cores): say which one, above all for --isa armv8-a
+        title = f"bundled kernels: valid configs on {hw.cpu_model} ({hw.isa}, {hw.cores} cores)"
+        table(title, ["kernel", "domain", "shape (--shape)", "knobs", "workloads (valid configs)"], [
             [k["name"], k["domain"], ",".join(d["name"] + "=" for d in k["shape"]),
              "\n".join(f"{n}: {' '.join(map(str, v))}" for n, v in k["knobs"].items()),
              "\n".join(f"{w['name']} ({w['space_size']})" for w in k["workloads"])]
@@ -103,8 +105,18 @@ def bench_one(spec: KernelSpec, wl: Workload, cfg: dict, hw: Any, runner: Runner
     return row
 
 
+def _check_all(args: argparse.Namespace) -> None:
+    """--all benches every bundled workload: a kernel, --workload or --shape beside it would be silently ignored,
+    and the user would read rows for what they did not ask."""
+    given = [f"{flag}{value}" for flag, value in (("", args.kernel), ("--workload ", args.workload),
+                                                   ("--shape ", args.shape)) if value]
+    if given:
+        raise BadInput(f"--all benches every bundled workload; drop {', '.join(given)} (or drop --all)")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.all:
+        _check_all(args)
         targets = [(s, w) for s in all_specs().values() for w in s.workloads]
     else:
         if not args.kernel:

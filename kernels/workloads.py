@@ -17,7 +17,8 @@ def max_input_mb() -> float:
 
 
 def parse_shape_text(spec: KernelSpec, text: str) -> dict[str, str]:
-    """`M=196,N=576,K=96` → {"M": "196", ...}; the values are checked by spec.validate_shape."""
+    """`M=196,N=576,K=96` → {"M": "196", ...}; the values are checked by spec.validate_shape. A dimension given
+    twice is refused: silently keeping the last would tune (or pin) another shape than the one the user read."""
     out: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
@@ -26,7 +27,10 @@ def parse_shape_text(spec: KernelSpec, text: str) -> dict[str, str]:
                 f"--shape item {part!r} is not NAME=VALUE; {spec.name} takes "
                 + ",".join(f"{d.name}=<int>" for d in spec.dims)
             )
-        out[name.strip()] = value.strip()
+        name = name.strip()
+        if name in out:
+            raise BadInput(f"--shape gives {name} twice ({name}={out[name]} and {part}); give each dimension once")
+        out[name] = value.strip()
     return out
 
 

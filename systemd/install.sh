@@ -14,7 +14,8 @@
 #                     requires --no-venv.
 set -eu
 
-usage() { sed -n '6,13s/^# \{0,1\}//p' "$0" >&2; exit "${1:-2}"; }
+# the usage text: the header comment from line 6 down to the first line of code, however long it grows
+usage() { sed -n '6,/^[^#]/{/^#/s/^# \{0,1\}//p;}' "$0" >&2; exit "${1:-2}"; }
 
 PREFIX=/opt/edgetune
 PYTHON=python3

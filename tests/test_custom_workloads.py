@@ -150,3 +150,22 @@ def test_an_unusable_state_or_cache_dir_is_a_clear_error(tmp_path, var, verb):
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     err = " ".join(p.stderr.split())
     assert f"cannot use {blocker}" in err and "not a directory" in err and f"set {var}" in err, err
+
+
+@pytest.mark.parametrize("verb", [("bench", "gemm", "--shape"), ("pin", "gemm")])
+def test_a_dimension_given_twice_is_refused(verb):
+    """`M=1,...,M=5` used to run (or pin) M=5 without a word: a shape other than the one the user reads."""
+    p = _cli(*verb, "M=1,N=2,K=3,M=5", *(("{}",) if verb[0] == "pin" else ()))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "--shape gives M twice (M=1 and M=5)" in " ".join(p.stderr.split()), p.stderr
+    assert json.loads(_cli("report", "--json").stdout) == []  # nothing was pinned
+
+
+@pytest.mark.parametrize("extra, named", [(("gemm",), "gemm"),
+                                          (("--workload", "kws_dscnn.fc"), "--workload kws_dscnn.fc"),
+                                          (("--shape", "M=1,N=2,K=3"), "--shape M=1,N=2,K=3")])
+def test_bench_all_refuses_a_kernel_workload_or_shape_beside_it(extra, named):
+    """--all benches every bundled workload; a selection beside it was ignored, so its rows were not the ones asked."""
+    p = _cli("bench", "--all", *extra)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"--all benches every bundled workload; drop {named}" in " ".join(p.stderr.split()), p.stderr

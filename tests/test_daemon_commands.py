@@ -161,7 +161,7 @@ def test_local_retune_wait_and_bad_input(rig):
     r = d.cli("retune", "--kernel", "nope")
     assert r.returncode == 2 and "unknown kernel" in r.stderr
     r = d.cli("retune", "--kernel", "gemm", "--budget", "0")  # checked like any budget, not dropped as falsy
-    assert r.returncode == 2 and "budget must be an integer 1-100000" in r.stderr, r.stderr
+    assert r.returncode == 2 and "budget 0 must be an integer 1-100000" in r.stderr, r.stderr
     st = json.loads(d.cli("status", "--json").stdout)
     assert st["queue"] == {"jobs": 0, "targets": 0} and st["state"] == "idle"
 

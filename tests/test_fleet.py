@@ -172,7 +172,7 @@ def test_listener_stores_dedupes_and_devices_shows_speedup(mosquitto, listener, 
     assert [h["state"] for h in shown["status_history"]] == ["online", "lost"]
     r = edgetune("fleet", "show", DEV, "--db", str(db))
     assert r.returncode == 0 and "gemm/pw1" in r.stdout, r.stderr
-    assert edgetune("fleet", "show", "nope", "--db", str(db)).returncode == 1
+    assert edgetune("fleet", "show", "nope", "--db", str(db)).returncode == 2  # a bad value, as for `retune`
 
     # export: the deduplicated records as JSONL training data, as received
     out = tmp_path / "records.jsonl"

@@ -357,3 +357,37 @@ def test_cli_bad_isa() -> None:
     r = run_cli("--isa", "armv9-bogus", "--no-bandwidth")
     assert r.returncode == 2
     assert "armv9-bogus" in r.stderr and "allowed" in r.stderr
+
+
+@pytest.mark.parametrize("verb", [("kernels",), ("propose", "gemm", "--workload", "kws_dscnn.fc")])
+def test_kernels_and_propose_name_the_cross_levels_they_take(verb) -> None:
+    """`kernels` and `propose` take another arch's level (a generic device of it): a bad --isa lists those too,
+    not only this host's caps, or the error hides the values the README tells the user to pass."""
+    from hwprobe.cpuinfo import host_arch
+    from hwprobe.isa import LADDERS
+    from hwprobe.target import TOOLCHAINS
+
+    cross = [r.name for a in TOOLCHAINS if a != host_arch() for r in LADDERS[a]]
+    r = subprocess.run([sys.executable, "-m", "edgetune.main", *verb, "--isa", "armv9-bogus"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "Traceback" not in err and "'armv9-bogus'" in err, err
+    assert cross and f"for a generic device of another arch: {', '.join(cross)}" in err, err
+
+
+def test_kernels_says_which_device_its_counts_are_for() -> None:
+    """The valid-config counts of `kernels --isa armv8-a` are a generic 4-core device's, not this host's: the table
+    said only 'bundled kernels'."""
+    r = subprocess.run([sys.executable, "-m", "edgetune.main", "kernels", "--isa", "armv8-a"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "valid configs on generic armv8-a target (armv8-a, 4 cores)" in r.stdout, r.stdout[:500]
+
+
+def test_propose_on_a_level_where_no_config_is_valid_says_so() -> None:
+    """armv7-a without NEON has no vector width the kernels take: `propose` said nothing, in an empty table, exit 0."""
+    r = subprocess.run([sys.executable, "-m", "edgetune.main", "propose", "gemm", "--workload", "kws_dscnn.fc",
+                        "--isa", "armv7-a"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "no config of gemm is valid for kws_dscnn.fc on armv7-a" in err, err
+    assert "try a higher --isa" in err

@@ -97,3 +97,17 @@ def test_device_records_of_a_held_out_layer_never_become_training_cases(tmp_path
     cases, n = D.load_records(path)
     assert n == 2
     assert [c.shape for c in cases.values()] == [other["shape"]]
+
+
+def test_arch_layers_help_and_a_typo_do_not_rewrite_the_committed_file():
+    import subprocess
+    import sys
+
+    from tuner.train.arch_layers import OUT
+
+    before = OUT.stat().st_mtime_ns
+    for args, code in ((["--help"], 0), (["--prnt"], 2)):
+        r = subprocess.run([sys.executable, "-m", "tuner.train.arch_layers", *args], capture_output=True, text=True,
+                           cwd=OUT.parents[2], timeout=120)
+        assert r.returncode == code, r.stderr
+    assert OUT.stat().st_mtime_ns == before

@@ -129,3 +129,43 @@ def test_daemon_speaks_sd_notify(tmp_path, listener) -> None:
     gap = statistics.median(b - a for a, b in zip(pings, pings[1:]))
     print(f"watchdog: {len(pings)} pings, median gap {gap:.2f} s for WATCHDOG_USEC=1 s")
     assert 0.3 <= gap <= 0.8  # half of WATCHDOG_USEC
+
+
+def _fields_until(listener, d, done, timeout: float = 120.0) -> list[str]:
+    """The daemon's sd_notify fields, in order, until `done(fields)` holds (it must not exit meanwhile)."""
+    fields: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not done(fields):
+        assert time.monotonic() < deadline, f"no such notification in {timeout:g} s: {fields}\n{d.log[-3000:]}"
+        assert d.proc.poll() is None, f"daemon exited:\n{d.log[-3000:]}"
+        try:
+            fields += listener.recv(4096).decode().splitlines()
+        except TimeoutError:
+            pass
+    return fields
+
+
+@pytest.mark.skipif(not _daemon_verb(), reason="the `edgetune daemon` verb (daemon/service.py) is not there yet")
+def test_a_daemon_starting_on_a_full_disk_extends_its_start_timeout_until_ready(tmp_path, listener) -> None:
+    """Paused on a full disk before READY, the daemon asks systemd for more start time on every retry (else
+    TimeoutStartSec kills it and Restart=on-failure loops), and sends READY once there is space."""
+    from tests.test_daemon_support import DaemonProc, daemon_config
+    from tests.test_delivery import fill, tmpfs
+
+    with tmpfs(tmp_path / "fs") as fs:
+        filler = fill(fs)
+        d = DaemonProc(daemon_config(tmp_path, None, idle_load_threshold=1e-9),
+                       env={**os.environ, "STATE_DIRECTORY": str(fs)})
+        d.env |= {"WATCHDOG_USEC": "60000000"}
+        d.env.pop("WATCHDOG_PID", None)
+        d.start()
+        try:
+            fields = _fields_until(listener, d, lambda f: sum(x.startswith("EXTEND_TIMEOUT_USEC=") for x in f) >= 2)
+            assert "READY=1" not in fields
+            assert any(x.startswith("STATUS=paused: disk full") for x in fields), fields
+            assert "EXTEND_TIMEOUT_USEC=15000000" in fields and "WATCHDOG=1" in fields
+            filler.unlink()
+            _fields_until(listener, d, lambda f: "READY=1" in f)
+            assert d.signal(signal.SIGTERM) == 0
+        finally:
+            d.stop()

@@ -77,8 +77,16 @@ def test_a_converged_strategy_ends_a_session_without_an_explicit_budget_only(hw)
                                           budget=Budget(evals=12))
     assert (auto.evals, auto.converged_at) == (4, 4)
     spent = _session(universe, table).tune(GEMM, SMALL, strategy_obj=Settles(universe, 0), batch=2, force=True,
-                                           budget=Budget(evals=12, patience=None, until_converged=False))
+                                           budget=Budget.whole(12))
     assert (spent.evals, spent.converged_at) == (12, 4)
+
+
+def test_an_explicit_budget_is_spent_whole_when_nothing_improves(hw):
+    """`tune --budget N` (Budget.whole) runs N evaluations: the default budget's patience does not cut it short."""
+    space = GEMM.space(SMALL.shape, hw)
+    universe, table = _table(space, lambda c: 1.0)  # every config ties: patience alone would stop after 16
+    r = _session(universe, table).tune(GEMM, SMALL, strategy="random", budget=Budget.whole(20))
+    assert r.evals == 20
 
 
 def test_a_slow_search_result_is_no_finalist_and_ties_go_to_the_default(hw):

@@ -5,6 +5,7 @@ really runs under the unit's syscall filter and without writable+executable memo
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import os
 import re
@@ -325,3 +326,15 @@ def test_fleet_server_serves_under_its_units_confinement(tmp_path, mosquitto) ->
         assert "Traceback" not in server.log and "Operation not permitted" not in server.log, server.log[-3000:]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("args,code", [(("--help",), 0), (("--bogus",), 2)])
+def test_install_usage_is_the_whole_header(tmp_path, args, code) -> None:
+    """The usage text is the script's header comment: all of it (it was cut mid-sentence, before 'requires
+    --no-venv'), and nothing of the code below it."""
+    r = install(tmp_path / "root", *args)
+    lines = (SYSTEMD / "install.sh").read_text().splitlines()[5:]  # from line 6, the usage part of the header
+    comment = itertools.takewhile(lambda ln: ln.startswith("#"), lines)
+    header = [ln.removeprefix("#").removeprefix(" ") for ln in comment]
+    assert r.returncode == code and r.stderr.endswith("\n".join(header) + "\n"), r.stderr
+    assert header[-1].strip() == "requires --no-venv." and "set -eu" not in r.stderr

@@ -164,8 +164,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     meter = meter_from_config(cfg.power) if cfg and objective_name != "latency" else None
     if meter:
         meter.start()
-    budget = Budget(seconds=args.seconds) if args.budget is None else \
-        Budget(evals=args.budget, seconds=args.seconds, until_converged=False)
+    budget = Budget(seconds=args.seconds) if args.budget is None else Budget.whole(args.budget, args.seconds)
     with Runner() as runner, progress(not args.json) as bar:
         objective = Objective.create(objective_name, meter)
         session = Session(db, runner, hw)

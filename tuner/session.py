@@ -46,6 +46,11 @@ class Budget:
     patience: int | None = 15  # stop after this many evals without a >TIE improvement
     until_converged: bool = True
 
+    @classmethod
+    def whole(cls, evals: int, seconds: float | None = None) -> Budget:
+        """An explicit eval budget, spent whole: no convergence stop and no patience (only `seconds` cuts it)."""
+        return cls(evals=evals, seconds=seconds, patience=None, until_converged=False)
+
 
 @dataclass
 class TuneResult:

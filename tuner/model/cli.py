@@ -60,7 +60,13 @@ def cmd_propose(args: argparse.Namespace) -> int:
         prop = load_proposer(Path(args.model) if args.model else None)
     except ModelError as e:
         raise EdgetuneError(str(e))
-    res = prop.propose(spec.name, spec.space(wl.shape, hw), args.k)
+    space = spec.space(wl.shape, hw)
+    try:
+        space.valid_default()  # cheap: the nearest valid config, pruned by the constraints
+    except BadInput:
+        raise BadInput(f"no config of {spec.name} is valid for {wl.name} on {hw.isa} ({hw.vector_bits}-bit vectors, "
+                       f"{hw.cores} cores): nothing to propose; try a higher --isa") from None
+    res = prop.propose(spec.name, space, args.k)
     out = {"kernel": spec.name, "workload": wl.name, "shape": wl.shape, "isa": hw.isa,
            "model": {"path": str(prop.m.path), "version": prop.version, "sha256": prop.m.info.sha256},
            "latency_ms": res.latency_ms, "expansions": res.expansions, "decodes": res.decodes,

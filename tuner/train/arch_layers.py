@@ -428,11 +428,17 @@ def spread(entries: list[WorkloadEntry], n: int) -> list[WorkloadEntry]:
     return [entries[i] for i in chosen]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     from kernels.workload_files import write_workloads_file
 
+    ap = argparse.ArgumentParser(prog="python -m tuner.train.arch_layers", description=f"write {OUT.relative_to(ROOT)}"
+                                 ", the training shapes from real architectures")
+    ap.add_argument("--print", action="store_true", help="print the workloads file instead of writing it")
+    args = ap.parse_args(argv)
     entries = arch_layers()
-    if "--print" in sys.argv:
+    if args.print:
         sys.stdout.write(dumps(entries))
         return 0
     write_workloads_file(OUT, entries, "Training shapes from real architectures (python -m tuner.train.arch_layers; "

@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.registry import all_specs
-from kernels.space import table_predicate
+from kernels.space import config_key, table_predicate
 from tuner.model.inference import MODEL_NAME, PROMPT_FORMAT
-from kernels.space import config_key
 from tuner.model.prompt import HISTORY_MAX, completion_text, prompt_text
 from tuner.train import data as D
 from tuner.train.data import HwView as _HwView
@@ -274,7 +273,6 @@ def agreement(model: TinyLlama, gguf_path: Path, seqs: list[list[int]]) -> dict:
 
 def evaluate_heldout(gguf_path: Path, held: list[D.Case], k: int = 5) -> dict:
     """Propose top-k on each held-out case (restricted to its measured table, as in the bench replay)."""
-    from hwprobe.descriptor import HwDescriptor  # noqa: F401  (descriptor fields come from the data)
     from tuner.model.proposer import Proposer
 
     specs = all_specs()
@@ -285,8 +283,6 @@ def evaluate_heldout(gguf_path: Path, held: list[D.Case], k: int = 5) -> dict:
         hw = _HwView(c.hw)
         space = spec.space(c.shape, hw)
         table = c.table()
-        from kernels.space import config_key
-
         pred = table_predicate(space.names, [c.configs[key] for key in table])
         res = prop.propose(c.kernel, space, k, extra=pred)
         lat.append(res.latency_ms)
@@ -322,17 +318,17 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
             if row.get("kind") == "hw" or row.get("split") == "train":
                 h.update(json.dumps(row, sort_keys=True).encode())
     heldout = {c.problem for c in cases.values() if c.split == "heldout"}
-    n_sessions, from_journal = 0, len(cases)
-    measured = sum(c.n_measured for c in cases.values())
+    n_sessions, from_journal, measured = 0, len(cases), 0
     for p in records:
+        before = sum(c.n_measured for c in cases.values())
         _, n = D.load_records(p, cases, heldout)
-        n_sessions += n
+        added = sum(c.n_measured for c in cases.values()) - before  # a record of a journal case's problem on the
+        #                                                             same device joins that case
+        if not added:
+            print(f"warning: the {n} record sessions of {p} added no measurement (records of another kernel "
+                  "version, or of held-out problems, are left out)", flush=True)
+        n_sessions, measured = n_sessions + n, measured + added
         h.update(Path(p).read_bytes())
-    measured = sum(c.n_measured for c in cases.values()) - measured  # a record of a journal case's problem on
-    #                                                                   the same device joins that case
-    if records and not measured:
-        print(f"warning: the {n_sessions} record sessions added no measurement (records of another kernel version, "
-              "or of held-out problems, are left out)", flush=True)
     dataset_sha = h.hexdigest()
     train, held = D.split_cases(cases)
     if not train:
