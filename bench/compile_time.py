@@ -26,7 +26,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.cli_args import at_least  # noqa: E402
-from edgetune.errors import EdgetuneError  # noqa: E402
 from hwprobe.target import describe  # noqa: E402
 from kernels import pch  # noqa: E402
 from kernels.build import code_flags, compile_command, precompiled, target_compiler  # noqa: E402
@@ -44,17 +43,14 @@ def timed(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--configs", type=at_least(1), default=8, help="configs per kernel (default 8)")
     ap.add_argument("--isa", help="the ISA cap to build for (default: this machine's)")
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    try:
-        hw = describe(a.isa)
-    except EdgetuneError as e:  # an --isa this machine cannot build for: its message lists the levels
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+
+
+def run(a: argparse.Namespace) -> int:
+    hw = describe(a.isa)  # an --isa this machine cannot build for is a usage error listing the levels
     cc, cc_id = target_compiler(hw)
     jobs = max(1, hw.cores)
     rng = random.Random(a.seed)
@@ -85,6 +81,12 @@ def main() -> int:
                   f"{'' if include else '  (takes no precompiled header: both plain)'}", flush=True)
     print(f"load {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edgetune.main import run_module
+
+    return run_module("python bench/compile_time.py", __doc__.split("\n\n")[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

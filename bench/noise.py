@@ -15,7 +15,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cli_args import at_least  # noqa: E402
-from edgetune.errors import EdgetuneError  # noqa: E402
 from hwprobe import probe  # noqa: E402
 from kernels.registry import get_spec  # noqa: E402
 from kernels.worker import Runner  # noqa: E402
@@ -38,20 +37,17 @@ def _series(ev: Measured, cfg: dict, runs: int) -> dict:
             "load1": os.getloadavg()[0]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kernel", default="gemm")
     ap.add_argument("--workload", default="mobilenetv2.b6.project")
     ap.add_argument("--runs", type=at_least(1), default=10, help="estimates per condition (default 10)")
     ap.add_argument("--hogs", type=at_least(0), default=os.cpu_count() or 2,
                     help="background CPU hog processes (default: one per core)")
-    args = ap.parse_args(argv)
-    try:
-        spec = get_spec(args.kernel)  # a bad name is a usage error, before anything is measured
-        wl = spec.workload(args.workload)
-    except EdgetuneError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = get_spec(args.kernel)  # a bad name is a usage error, before anything is measured
+    wl = spec.workload(args.workload)
     hw = probe(measure_bandwidth=False)
     with Runner() as runner:
         ev = Measured(spec=spec, shape=wl.shape, hw=hw, runner=runner)
@@ -76,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['reps_used']:>7.0f}/{s['reps']:<7.0f} {s['fallbacks']:13d} {s['load1']:6.2f}")
     print(f"# hog/quiet median ratio {loaded['median_ms'] / quiet['median_ms']:.2f}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edgetune.main import run_module
+
+    return run_module("python bench/noise.py", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

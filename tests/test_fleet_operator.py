@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,13 +14,8 @@ from fleet import models as registry
 from fleet.store import open_fleet_store
 from tests.broker import free_port
 from tests.polling import wait_until
+from tests.test_rollout import edgetune
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def edgetune(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgetune.main", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
 
 
 def fleet_db(tmp_path: Path, isa: str = "x86-64-v4") -> Path:
@@ -48,7 +41,7 @@ def test_key_create_where_it_cannot_write_names_the_path_and_the_fix(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"cannot write the signing key to {blocker / 'release.key'}: a parent is not a directory" in r.stderr
     assert "pick another --out" in r.stderr
-    r = edgetune("fleet", "key", "create", env={"CONFIGURATION_DIRECTORY": str(blocker)})  # the default place
+    r = edgetune("fleet", "key", "create", env={**os.environ, "CONFIGURATION_DIRECTORY": str(blocker)})  # the default place
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "set CONFIGURATION_DIRECTORY" in " ".join(r.stderr.split())  # stderr wraps at 200 columns
 
