@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import compare_tuners as CT  # noqa: E402
 import tuners_real as TR  # noqa: E402
+from bench.cli_args import output_file  # noqa: E402
 from edgetune import paths  # noqa: E402
 from edgetune.atomic import write_atomic  # noqa: E402
 from fleet import rollout_store as rs  # noqa: E402
@@ -342,14 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--other-isa", default="", help="the other classes' ISA caps, comma-separated (default: this "
                                                     "machine's own ISA); 'none' skips them")
     ap.add_argument("--ref-evals", type=int, default=60, help="evaluations of each reference search (default 60)")
-    ap.add_argument("--refs", default=str(paths.cache_dir() / "bench-real-refs.json"),
+    ap.add_argument("--refs", type=output_file, default=str(paths.cache_dir() / "bench-real-refs.json"),
                     help="reference cache, per machine, ISA, kernel source and shape (shared with tuners_real.py)")
     ap.add_argument("--refs-only", action="store_true", help="compute (or check) the references and stop")
     ap.add_argument("--depth", type=int, default=10, help="proposals measured per model and layer (default 10)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=7200.0, help="give up on a phase after this long")
     ap.add_argument("--model", help="skip the loop: compare this GGUF with the bundled model")
-    ap.add_argument("--json", help="write the loop's timings, every layer's ratios and the figures here")
+    ap.add_argument("--json", type=output_file,
+                    help="write the loop's timings, every layer's ratios and the figures here")
     a = ap.parse_args(argv)
     from tuner.model.inference import bundled_model_path
 

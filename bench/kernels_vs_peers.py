@@ -36,7 +36,7 @@ from bench.peers.cases import ACTIVATIONS, Epilogue, PeerCase, fuses_epilogue, m
 from bench.peers.edgetune_kernels import (EdgetunePeer, LongTune, Tuned, default_config,  # noqa: E402
                                           from_results_db, pinned_spec)
 from bench.peers.numpy_blas import NumpyPeer, NumpyProcess  # noqa: E402
-from edgetune.errors import BadInput, EdgetuneError  # noqa: E402
+from edgetune.errors import BadInput  # noqa: E402
 from edgetune.output import console, fmt, progress, table  # noqa: E402
 from fleet.store import geomean  # noqa: E402
 from kernels.build import CompileError  # noqa: E402
@@ -277,8 +277,7 @@ def _versions(numpy_proc: NumpyProcess | None) -> dict[str, str]:
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kernels", action="append", help="kernels to bench, comma-separated (default: all)")
     ap.add_argument("--workloads", action="append", help="workloads to bench, comma-separated (default: all)")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated (default: 1,2)")
@@ -293,7 +292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE", type=output_file,
                     help="also write every round's times and the ratios to FILE")
-    args = ap.parse_args(argv)
+
+
+def _parse_lists(args: argparse.Namespace) -> None:
+    """--threads as a list of counts and the filters as lists, refused by name (exit 2) before anything runs."""
     text = args.threads
     try:
         args.threads = [int(t) for t in text.split(",")]
@@ -302,13 +304,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(t < 1 for t in args.threads):
         raise BadInput(f"--threads {text!r}: every thread count must be at least 1, e.g. 1,2")
     args.kernels, args.workloads = _csv(args.kernels), _csv(args.workloads)
-    return args
 
 
 def run(args: argparse.Namespace) -> int:
     from hwprobe import probe
     from kernels.worker import Runner
 
+    _parse_lists(args)
     todo = targets(args.kernels, args.workloads)
     hw = probe(measure_bandwidth=False)
     epilogue = Epilogue(args.bias, args.act)
@@ -366,11 +368,9 @@ def _load(avg: tuple[float, float, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(parse_args(argv))
-    except EdgetuneError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+    from edgetune.main import run_module
+
+    return run_module("python bench/kernels_vs_peers.py", __doc__.split("\n\n")[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

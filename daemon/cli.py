@@ -1,7 +1,8 @@
 """Verbs `daemon`, `status`, `retune`, `ping`, `config check` and `notify firmware-changed`.
 
 All but `daemon` and `config check` talk to a running daemon over the control socket; when it is down they say
-so and exit 1 (except `notify`, which then leaves a marker the daemon reads at its next start).
+so and exit 1 (`status --json` as a JSON object on stdout; `notify` instead leaves a marker the daemon reads at its
+next start).
 """
 
 from __future__ import annotations
@@ -98,7 +99,14 @@ def _one(req: dict) -> dict:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    st = _one({"op": "status"})
+    try:
+        st = _one({"op": "status"})
+    except control.NotListening as e:
+        if not args.json:
+            raise
+        # a script reading stdout gets an answer it can parse, not an empty string; the exit code still says it
+        emit({"running": False, "socket": str(e.path), "reason": e.reason, "error": str(e)}, True)
+        return e.exit_code
     emit(st, args.json, _render_status)
     return 0
 

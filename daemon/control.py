@@ -32,6 +32,16 @@ class DaemonDown(EdgetuneError):
     """The daemon is not running (exit 1)."""
 
 
+class NotListening(DaemonDown):
+    """Nothing listens on the control socket: `reason` says why (the socket file is missing, or a stale one
+    refuses the connection), so `status --json` can report it as data, not only as a message."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"the edgetune daemon is not running ({reason} at {path}); "
+                         "start it with `systemctl start edgetune` or `edgetune daemon`")
+        self.path, self.reason = path, reason
+
+
 class AlreadyRunning(EdgetuneError):
     pass
 
@@ -100,10 +110,12 @@ def request(req: dict[str, Any], timeout: float | None = 10.0, path: Path | None
     s.settimeout(timeout)
     try:
         s.connect(str(path))
-    except (FileNotFoundError, ConnectionRefusedError):
+    except FileNotFoundError:
         s.close()
-        raise DaemonDown(f"the edgetune daemon is not running (no control socket at {path}); "
-                         "start it with `systemctl start edgetune` or `edgetune daemon`") from None
+        raise NotListening(path, "no control socket") from None
+    except ConnectionRefusedError:
+        s.close()
+        raise NotListening(path, "connection refused by the control socket") from None
     except PermissionError:
         s.close()
         raise EdgetuneError(f"no permission to talk to the daemon at {path}: join the socket's group") from None

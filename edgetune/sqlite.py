@@ -53,6 +53,11 @@ class DBBusy(DBError):
     """Another connection held the write lock for longer than the open timeout."""
 
 
+class DBConflict(DBError):
+    """Another transaction wrote a row with the same unique key after this one read: reading again may succeed.
+    PostgreSQL only, whose transactions run side by side (SQLite's BEGIN IMMEDIATE runs them one at a time)."""
+
+
 class DBUnavailable(DBError):
     """A database server (the fleet's PostgreSQL) cannot be reached now; retrying later may work."""
 

@@ -30,7 +30,8 @@ import threading
 from typing import Any, ClassVar, Iterator, Self, Sequence
 
 from edgetune.errors import BadInput
-from edgetune.sqlite import DBBusy, DBCorrupt, DBError, DBForeign, DBFull, DBTooNew, DBUnavailable, Schema
+from edgetune.sqlite import (DBBusy, DBConflict, DBCorrupt, DBError, DBForeign, DBFull, DBTooNew, DBUnavailable,
+                            Schema)
 
 META_TABLE = "edgetune_store"
 CONNECT_TIMEOUT_S = 10
@@ -178,6 +179,8 @@ class PgStore:
         if isinstance(e, (errors.LockNotAvailable, errors.DeadlockDetected, errors.SerializationFailure,
                           errors.QueryCanceled)):
             return DBBusy(f"{label}: {first}; retry when the other transaction is done", path)
+        if isinstance(e, errors.UniqueViolation):
+            return DBConflict(f"{label}: {first}", path)
         if isinstance(e, (errors.DataCorrupted, errors.IndexCorrupted)):
             return DBCorrupt(f"{label} is damaged ({first}); restore it from a backup", path)
         if isinstance(e, OperationalError):

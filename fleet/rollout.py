@@ -58,18 +58,21 @@ class Policy:
     report_timeout_s: float = 3600.0
 
     def check(self) -> "Policy":
+        """The policy, or BadInput naming the `fleet model publish` flag each bad value came from, the value and a
+        valid one: the operator typed flags, not these field names."""
         p = self.phases
         if not p or any(not 0 < x <= 100 for x in p) or list(p) != sorted(set(p)) or p[-1] != 100:
-            raise BadInput(f"phases {list(p)}: rising percentages in (0, 100] that end at 100, e.g. 5,25,100")
+            raise BadInput(f"--phases {','.join(f'{x:g}' for x in p)}: rising percentages in (0, 100] that end at "
+                           "100, e.g. 5,25,100")
         if self.min_dwell_s < 0:
-            raise BadInput(f"minimum dwell {self.min_dwell_s:g} s: must be >= 0")
-        for name, v in (("advance share", self.advance_pct), ("abort share", self.abort_pct)):
+            raise BadInput(f"--min-dwell {self.min_dwell_s:g}s: must be >= 0, e.g. 10m")
+        for flag, v, example in (("--advance-at", self.advance_pct, "100%"), ("--abort-above", self.abort_pct, "10%")):
             if not 0 <= v <= 100:
-                raise BadInput(f"{name} {v:g}%: must be 0-100%")
+                raise BadInput(f"{flag} {v:g}%: must be 0-100%, e.g. {example}")
         if self.abort_min < 1:
-            raise BadInput(f"abort after {self.abort_min} reports: must be at least 1")
+            raise BadInput(f"--abort-after {self.abort_min}: must be at least 1 device, e.g. 1")
         if self.report_timeout_s <= 0:
-            raise BadInput(f"report timeout {self.report_timeout_s:g} s: must be > 0")
+            raise BadInput(f"--report-timeout {self.report_timeout_s:g}s: must be > 0, e.g. 1h")
         return self
 
 

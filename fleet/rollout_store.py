@@ -18,13 +18,15 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-from edgetune.errors import BadInput
+from edgetune.errors import BadInput, EdgetuneError
+from edgetune.sqlite import DBConflict
 from fleet.rollout import REPORT_TIMEOUT, RETRYABLE, ROLLBACK_PHASE, TIMED_OUT, parse_rollout_id
 from fleet.store import FleetStore
 
 ROLLOUT_STATES = ("active", "paused", "completed", "aborted")
 OPEN_ROLLOUT_STATES = ("active", "paused")
 BUNDLED_VERSION = 1
+ADD_ATTEMPTS = 5  # tries at the next version when registrations race for it on PostgreSQL
 MODEL_COLUMNS = ("version", "name", "sha256", "size", "model_version", "prompt_format", "spaces_json", "card_json",
                  "source", "note", "created_at")
 
@@ -45,7 +47,23 @@ def add_model(store: FleetStore, *, name: str, data: bytes, sha256: str, model_v
               prompt_format: str, spaces: dict, card: dict | None, source: str, note: str | None, now: float,
               version: int | None = None) -> dict:
     """Register a model file under the next version (or `version`, for the bundled model); BadInput if the same
-    file is registered already."""
+    file is registered already. Two registrations at once on PostgreSQL both read the same next version and the
+    second insert fails on the unique key: it reads again and takes the version after, up to ADD_ATTEMPTS times."""
+    row = (name, sha256, len(data), model_version, prompt_format, json.dumps(spaces, sort_keys=True),
+           None if card is None else json.dumps(card, sort_keys=True), source, note, data, now)
+    for _ in range(ADD_ATTEMPTS):
+        try:
+            return model(store, _insert_model(store, sha256, version, row))
+        except DBConflict as e:
+            if version is not None:  # the bundled model's fixed version: the caller decides
+                raise
+            conflict = e
+    raise EdgetuneError(f"another registration took the next model version {ADD_ATTEMPTS} times in a row "
+                        f"({conflict}); run `edgetune fleet model add` again")
+
+
+def _insert_model(store: FleetStore, sha256: str, version: int | None, row: tuple) -> int:
+    """One attempt: the next version (or `version`) read and inserted in one transaction."""
     with store.tx() as c:
         old = c.execute("SELECT version FROM models WHERE sha256=?", (sha256,)).fetchone()
         if old is not None:
@@ -55,10 +73,8 @@ def add_model(store: FleetStore, *, name: str, data: bytes, sha256: str, model_v
             top = c.execute("SELECT max(version) FROM models").fetchone()[0]
             version = max(top or BUNDLED_VERSION, BUNDLED_VERSION) + 1
         c.execute("INSERT INTO models (version, name, sha256, size, model_version, prompt_format, spaces_json,"
-                  " card_json, source, note, data, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                  (version, name, sha256, len(data), model_version, prompt_format, json.dumps(spaces, sort_keys=True),
-                   None if card is None else json.dumps(card, sort_keys=True), source, note, data, now))
-    return model(store, version)
+                  " card_json, source, note, data, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", (version, *row))
+    return version
 
 
 def models(store: FleetStore) -> list[dict]:

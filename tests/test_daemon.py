@@ -121,6 +121,24 @@ def test_cli_says_daemon_down(tmp_path):
         assert r.returncode == 1 and "not running" in r.stderr
 
 
+def test_status_json_says_the_daemon_is_down_on_stdout(tmp_path):
+    """`status --json` printed nothing on stdout when the daemon was down: a script reading it got no JSON."""
+    d = DaemonProc(daemon_config(tmp_path, None))
+    sock = os.path.join(d.env["RUNTIME_DIRECTORY"], "control.sock")
+    r = d.cli("status", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and (doc["running"], doc["socket"], doc["reason"]) == (False, sock, "no control socket")
+    assert "the edgetune daemon is not running" in doc["error"]
+    os.makedirs(os.path.dirname(sock), exist_ok=True)
+    with socket.socket(socket.AF_UNIX) as stale:  # bound, never listening: what a killed daemon leaves behind
+        stale.bind(sock)
+        r = d.cli("status", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["reason"] == "connection refused by the control socket"
+    r = d.cli("status")  # for a person: the message, on stderr
+    assert r.returncode == 1 and r.stdout == ""
+    assert "not running (connection refused by the control socket" in " ".join(r.stderr.split()), r.stderr
+
+
 def test_no_broker_still_tunes(tmp_path):
     d = DaemonProc(daemon_config(tmp_path, None)).start()
     try:

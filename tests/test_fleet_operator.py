@@ -9,12 +9,14 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
+from edgetune.errors import BadInput
 from fleet import models as registry
 from fleet.store import open_fleet_store
 from tests.broker import free_port
 from tests.polling import wait_until
-from tests.test_rollout import edgetune
+from tests.test_rollout import edgetune, model_file
 
 
 
@@ -72,36 +74,77 @@ def test_publish_refuses_a_first_cohort_over_100_percent_and_starts_no_rollout(t
     assert listed.returncode == 0 and json.loads(listed.stdout) == []
 
 
+def test_publish_names_the_flag_and_the_value_a_bad_policy_came_from(tmp_path):
+    """The rollout policy's errors named its fields ("abort after 0 reports"), not the flags the operator typed."""
+    db = str(fleet_db(tmp_path))
+    for flag, value, message in (("--phases", "50,20,100", "--phases 50,20,100: rising percentages"),
+                                 ("--advance-at", "150%", "--advance-at 150%: must be 0-100%, e.g. 100%"),
+                                 ("--abort-above", "101", "--abort-above 101%: must be 0-100%, e.g. 10%"),
+                                 ("--abort-after", "0", "--abort-after 0: must be at least 1 device, e.g. 1"),
+                                 ("--report-timeout", "0m", "--report-timeout 0s: must be > 0, e.g. 1h")):
+        r = edgetune("fleet", "model", "publish", "2", flag, value, "--db", db)
+        assert r.returncode == 2 and message in r.stderr, (flag, r.stderr)
+
+
 def test_retune_names_the_ttl_flag_when_it_outlives_a_device_session(tmp_path):
     r = edgetune("fleet", "retune", "dev-a", "--broker", f"127.0.0.1:{free_port()}", "--ttl", "999999",
                  "--db", str(fleet_db(tmp_path)))
     assert r.returncode == 2 and "--ttl 999999: must be > 0 and at most 86400 seconds" in r.stderr, r.stderr
 
 
+LOCK_WAITERS = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+
+
+def race(pg_url: str, first, mine: Callable[[], Any], theirs: Callable[[], Any], what: str) -> tuple[Any, Any]:
+    """`mine` in a transaction of `first`, held uncommitted until `theirs` (in a thread, on another connection)
+    waits on its row, then committed: (mine's result, theirs' result or the exception it raised)."""
+    import psycopg
+
+    got: list = []
+
+    def other() -> None:
+        try:
+            got.append(theirs())
+        except Exception as e:  # noqa: BLE001 (the test reports what the other side met)
+            got.append(e)
+
+    with psycopg.connect(pg_url, autocommit=True) as watch, first.tx():
+        result = mine()
+        t = threading.Thread(target=other)
+        t.start()
+        wait_until(lambda: watch.execute(LOCK_WAITERS).fetchone()[0] or got, what, timeout=30)
+    t.join(30)
+    assert len(got) == 1, got
+    return result, got[0]
+
+
 def test_two_servers_registering_the_bundled_model_at_once_on_postgresql_both_get_it(pg_url):
     """`fleet serve` registers v1 at start; the second of two servers started together used to log that the
     registry lacks it (its insert failed on the first one's uncommitted row), though it was there."""
     with open_fleet_store(pg_url) as first, open_fleet_store(pg_url) as second:
-        got: list = []
+        mine, theirs = race(pg_url, first, lambda: registry.ensure_bundled(first),
+                            lambda: registry.ensure_bundled(second), "the second server's insert waiting")
+        assert isinstance(theirs, dict), theirs
+        assert (theirs["version"], theirs["sha256"]) == (1, mine["sha256"])
 
-        def register() -> None:
-            try:
-                got.append(registry.ensure_bundled(second))
-            except Exception as e:  # noqa: BLE001 (the test reports what the second server met)
-                got.append(e)
 
-        import psycopg
+def test_two_model_adds_at_once_on_postgresql_take_the_next_two_versions(pg_url, tmp_path):
+    """Both read the same next version; the second insert failed on the first one's uncommitted row with a raw
+    duplicate-key error. It now reads again and takes the version after; the same file twice is named as such."""
+    with open_fleet_store(pg_url) as first, open_fleet_store(pg_url) as second:
+        registry.ensure_bundled(first)
 
-        with psycopg.connect(pg_url, autocommit=True) as watch, first.tx():
-            mine = registry.ensure_bundled(first)  # inserted, not committed yet
-            t = threading.Thread(target=register)
-            t.start()
-            wait_until(lambda: watch.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                                             "AND datname = current_database()").fetchone()[0] or got,
-                       "the second server's insert waiting on the first one's row", timeout=30)
-        t.join(30)
-        assert len(got) == 1 and isinstance(got[0], dict), got
-        assert (got[0]["version"], got[0]["sha256"]) == (1, mine["sha256"])
+        def adds(a: Path, b: Path) -> tuple[Any, Any]:
+            return race(pg_url, first, lambda: registry.add(first, a), lambda: registry.add(second, b),
+                        "the second add's insert waiting")
+
+        mine, theirs = adds(model_file(tmp_path, 16), model_file(tmp_path, 24))
+        assert mine["version"] == 2 and isinstance(theirs, dict), theirs
+        assert theirs["version"] == 3 and theirs["sha256"] != mine["sha256"]
+        same = model_file(tmp_path, 32)
+        mine, theirs = adds(same, same)
+        assert mine["version"] == 4 and isinstance(theirs, BadInput), theirs
+        assert "is model v4 already" in str(theirs)
 
 
 def test_show_and_export_records_name_an_unknown_device_as_a_usage_error(tmp_path):

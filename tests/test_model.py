@@ -464,6 +464,7 @@ def test_propose_cli(tmp_path):
     d = json.loads(p.stdout)
     assert len(d["proposals"]) == 3 and d["workload"] == "custom.T100-Cin64-Cout64-K3-stride1"
     assert d["model"]["sha256"] == check_gguf(MODEL).sha256 and d["latency_ms"] > 0
+    assert d["model"]["scorer"] and all(math.isfinite(x["scorer_log_slowdown"]) for x in d["proposals"])
     bad = subprocess.run([sys.executable, "-m", "edgetune.main", "propose", "gemm", "-k", "2"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "workload" in bad.stderr

@@ -257,7 +257,7 @@ def test_bad_releases_and_bad_files_are_refused_with_a_reason_and_the_model_keep
     long_ = BUNDLED + b"\0" * 48
     truncated = BUNDLED[: len(BUNDLED) // 2]
     other_format = patched(PROMPT_FORMAT.encode(), b"edgetune-prompt-9")
-    other_knobs = patched(b'"gemm": {', b'"gemx": {')  # the model's spaces no longer name kernel gemm
+    other_knobs = patched(b'"gemm": {"kc": [', b'"gemx": {"kc": [')  # the model's spaces no longer name gemm
     for data in (NEW, short, long_, truncated, other_format, other_knobs):
         f.add(data)
     f.serve[hashlib.sha256(NEW).hexdigest()] = wrong_bytes

@@ -124,3 +124,12 @@ def test_bench_refuses_unknown_filters_by_name(capsys):
     assert "nosuch.layer" in capsys.readouterr().err
     assert main(["--threads", "one"]) == 2
     assert "--threads 'one'" in capsys.readouterr().err
+
+
+def test_bench_runs_as_the_verbs_do(capsys):
+    """Through edgetune.main.run_module, as bench/noise.py and bench/compile_time.py: the verbs' -v (debug logging)
+    and their error handling, not a print-and-exit copy of it."""
+    from bench.kernels_vs_peers import main
+
+    assert main(["-v", "--threads", "one"]) == 2
+    assert "error: --threads 'one' must be comma-separated integers" in " ".join(capsys.readouterr().err.split())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import stat
 import subprocess
@@ -227,7 +228,7 @@ def test_model_and_publish_verbs_refuse_bad_input_with_the_fix(tmp_path):
         (("2", "--cohort", "lots"), "a percentage such as 5%"),
         (("2", "--phases", "50,20,100"), "rising percentages"),
         (("2", "--expires-in", "soon"), "a duration such as"),
-        (("2", "--report-timeout", "0"), "report timeout 0 s: must be > 0"),
+        (("2", "--report-timeout", "0"), "--report-timeout 0s: must be > 0"),
         (("2", "--key", str(tmp_path / "nokey")), "create one with `edgetune fleet key create`"),
     ]
     for extra, message in cases:
@@ -401,6 +402,58 @@ def test_a_released_device_that_never_reports_is_timed_out_and_trips_the_abort_r
             assert (late["state"], late["reason"]) == ("failed", "disk_full")
     finally:
         controller.stop()
+
+
+def rollout_log(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "fleet.rollouts"]
+
+
+def test_the_rollout_controller_logs_a_fleet_db_outage_once_not_every_turn(mosquitto, caplog):
+    """It logged an error on every turn (every second) while PostgreSQL was down."""
+    from fleet.rollout_controller import RolloutController
+    from tests.pg import PgCluster, missing_reason
+    from tests.test_fleet import opts
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    caplog.set_level(logging.INFO, logger="fleet.rollouts")
+    cluster = PgCluster().init()
+    try:
+        url = cluster.create_db()
+        controller = RolloutController(opts(mosquitto), url, interval_s=0.02).start()
+        try:
+            cluster.stop()
+            wait_until(lambda: controller.db_down.failures >= 20, "20 turns failing with the DB down", 60)
+            cluster.start()
+            wait_until(lambda: controller.db_down.failures == 0, "a turn with the DB back", 60)
+        finally:
+            controller.stop()
+    finally:
+        cluster.destroy()
+    lines = rollout_log(caplog)
+    assert len(lines) == 2, lines  # the outage was far shorter than a reminder's minute
+    db = url.split("@")[-1]
+    assert lines[0].startswith("rollouts stopped: the fleet DB ") and db in lines[0], lines
+    assert lines[1].startswith("rollouts resumed: the fleet DB ") and db in lines[1] and "works again" in lines[1]
+
+
+def test_a_long_fleet_db_outage_is_logged_again_at_most_once_a_minute(caplog):
+    from edgetune.sqlite import DBError
+    from fleet.rollout_controller import DownLog
+
+    caplog.set_level(logging.INFO, logger="fleet.rollouts")
+    now = [0.0]
+    down = DownLog("the fleet DB x", clock=lambda: now[0])
+    for second in range(150):  # a failed turn a second for 150 s
+        now[0] = float(second)
+        down.failed(DBError("cannot be reached", Path("x")))
+    down.ok()
+    down.ok()  # a second good turn says nothing
+    lines = rollout_log(caplog)
+    assert [line.split(":")[0] for line in lines] == ["rollouts stopped", "rollouts still stopped",
+                                                      "rollouts still stopped", "rollouts resumed"], lines
+    assert "failed for 60 s (61 turns)" in lines[1] and "failed for 120 s (121 turns)" in lines[2]
+    assert "works again after 149 s (150 failed turns)" in lines[3]
 
 
 def test_key_create_tells_where_the_public_key_goes_verbatim(tmp_path):

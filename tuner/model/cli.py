@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 import time
 from pathlib import Path
 
 from edgetune.errors import BadInput, EdgetuneError
-from edgetune.output import emit, fmt, json_flag, table
+from edgetune.output import console, emit, fmt, json_flag, table
 from kernels.registry import get_spec
 from kernels.space import format_config
 from kernels.workloads import resolve
@@ -67,17 +68,27 @@ def cmd_propose(args: argparse.Namespace) -> int:
         raise BadInput(f"no config of {spec.name} is valid for {wl.name} on {hw.isa} ({hw.vector_bits}-bit vectors, "
                        f"{hw.cores} cores): nothing to propose; try a higher --isa") from None
     res = prop.propose(spec.name, space, args.k)
+    configs = [p.config for p in res.proposals]
+    scored = prop.scorer is not None and prop.scorer.knows(spec.name)
+    pred = prop.scorer.score(spec.name, hw, wl.shape, configs) if scored else [None] * len(configs)
     out = {"kernel": spec.name, "workload": wl.name, "shape": wl.shape, "isa": hw.isa,
-           "model": {"path": str(prop.m.path), "version": prop.version, "sha256": prop.m.info.sha256},
+           "model": {"path": str(prop.m.path), "version": prop.version, "sha256": prop.m.info.sha256,
+                     "scorer": scored},
            "latency_ms": res.latency_ms, "expansions": res.expansions, "decodes": res.decodes,
-           "proposals": [{"rank": i + 1, "config": p.config, "logprob": p.logprob}
-                         for i, p in enumerate(res.proposals)]}
+           "proposals": [{"rank": i + 1, "config": p.config, "logprob": p.logprob, "scorer_log_slowdown": s}
+                         for i, (p, s) in enumerate(zip(res.proposals, pred))]}
 
     def render(d: dict) -> None:
+        low = min((p["scorer_log_slowdown"] for p in d["proposals"] if p["scorer_log_slowdown"] is not None),
+                  default=None)
         table(f"{d['kernel']}/{d['workload']} on {d['isa']} (model {d['model']['version']}, "
-              f"{d['latency_ms']:.1f} ms)", ["#", "config", "log-prob", "prob"],
-              [[p["rank"], format_config(p["config"]), fmt(p["logprob"], 3), f"{2.718281828 ** p['logprob']:.1%}"]
+              f"{d['latency_ms']:.1f} ms)", ["#", "config", "log-prob", "prob", "scorer"],
+              [[p["rank"], format_config(p["config"]), fmt(p["logprob"], 3), f"{math.exp(p['logprob']):.1%}",
+                "-" if low is None else f"{math.exp(p['scorer_log_slowdown'] - low):.2f}x"]
                for p in d["proposals"]])
+        if low is not None:
+            console.print("scorer: the model file's regression trees, predicted time over the fastest listed (`tune` "
+                          "takes its first batch from the model's top 15 in the scorer's order)")
 
     emit(out, args.json, render)
     return 0
@@ -88,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from tuner.train import data as D
         from tuner.train.train import Recipe, run
     except ImportError as e:
-        raise EdgetuneError(f"training needs the [train] extra (torch, sentencepiece, gguf): {e}; "
+        raise EdgetuneError(f"training needs the [train] extra (torch, sentencepiece, gguf, scikit-learn): {e}; "
                             "install it with `pip install -e '.[train]'`")
     from edgetune import paths
 

@@ -151,6 +151,8 @@ class _Reader:
             et, n = self.scalar("<I"), self.scalar("<Q")
             if n > 1 << 24:
                 raise ModelError(f"model file {self.path} is corrupt (array of {n} items in the header)")
+            if et == 0:  # uint8: a blob (the scorer's trees, tuner.model.scorer)
+                return self.take(n)
             if et in _SCALARS:  # skip numeric arrays fast
                 self.take(struct.calcsize(_SCALARS[et]) * n)
                 return f"<array of {n}>"

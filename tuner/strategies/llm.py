@@ -1,6 +1,8 @@
 """Strategy `llm`: the tuner model proposes, measurements steer it, and it stops when the neighbourhood says done.
 
-1. First batch (`k`, default 5): the model's top configs, hedged where it is unsure. From its exact top-(3k), the
+1. First batch (`k`, default 5): the model's top configs, hedged where it is unsure. Its exact top-(3k) is first
+   re-ranked by the scorer its file carries (tuner.model.scorer: regression trees fitted to every measured config,
+   which order neighbours inside the region the model picked better than the model does). Then the
    knobs whose probability mass is split (thread count, vector width, tile shape: whichever the model doubts for
    this prompt) each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the
    vector width and gru's parallel split are hedged however sure the model is, since there a model can be sure and
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FALLBACK_SUFFIX = "-anneal-fallback"  # on the version of a session that ran anneal for want of a usable model
-STRATEGY_VERSION = "6"  # bumped when the first batch or the steering changes: results are keyed by it
+STRATEGY_VERSION = "7"  # bumped when the first batch or the steering changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
@@ -150,7 +153,7 @@ class LLMStrategy(Strategy):
     def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: KernelSpec | None = None, k: int = DEFAULT_K,
                  model_path: Path | None = None, proposer: Any = None, patience: int = PATIENCE,
                  evidence: float = EVIDENCE_WEIGHT, history: bool = True,
-                 always_hedge: tuple[str, ...] = ALWAYS_HEDGE, hedge_pool: int = HEDGE_POOL):
+                 always_hedge: tuple[str, ...] = ALWAYS_HEDGE, hedge_pool: int = HEDGE_POOL, rescore: bool = True):
         super().__init__(space, seed, kernel=kernel)
         self.k = k
         self.patience = patience
@@ -158,6 +161,7 @@ class LLMStrategy(Strategy):
         self.use_history = history  # prompt the model with the measurements (False: evidence bias alone)
         self.always_hedge = tuple(always_hedge)  # knobs the first batch holds two values of, however sure
         self.hedge_pool = hedge_pool  # the first batch is hedged from the model's exact top-(hedge_pool * k)
+        self.rescore = rescore  # that pool in the scorer's order (False: the model's own)
         self.fallback: Anneal | None = None  # no usable model: plain anneal
         self.refiner: Anneal | None = None  # the model has nothing left to propose: local search, same patience
         self.proposer = None
@@ -233,6 +237,19 @@ class LLMStrategy(Strategy):
         self.calls.append((res.latency_ms, res.cpu_ms))
         return [(p.config, p.logprob) for p in res.proposals]
 
+    def _rescored(self, ranked: list[tuple[Config, float]]) -> list[tuple[Config, float]]:
+        """The model's candidates in the order of its file's scorer, predicted fastest first (unchanged when the
+        file has no scorer for this kernel, or with `rescore` off). The scorer's time joins the call's latency."""
+        scorer = self.proposer.scorer if self.proposer is not None and self.rescore else None
+        if scorer is None or not scorer.knows(self.kernel.name) or len(ranked) < 2:
+            return ranked
+        t0, c0 = time.perf_counter(), time.thread_time()
+        pred = scorer.score(self.kernel.name, self.space.hw, self.space.shape, [c for c, _ in ranked])
+        wall, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
+        self.latency_ms = (self.latency_ms or 0.0) + wall
+        self.calls[-1] = (self.calls[-1][0] + wall, self.calls[-1][1] + cpu)
+        return [ranked[i] for i in sorted(range(len(ranked)), key=lambda i: pred[i])]
+
     def _always_hedged(self, batch: list[Config]) -> list[Config]:
         """The batch, with its last configs swapped (one per knob, from the end) for the model's best one holding
         another value of each always-hedged knob that the batch lacks (when the constraints allow one)."""
@@ -274,7 +291,8 @@ class LLMStrategy(Strategy):
     def ask(self, n: int) -> list[Config]:
         if self.fallback is None and not self.started:
             self.started = True
-            self.first = self._always_hedged(hedged(self._propose(self.hedge_pool * self.k), self.k, self.space))
+            pool = self._rescored(self._propose(self.hedge_pool * self.k))
+            self.first = self._always_hedged(hedged(pool, self.k, self.space))
             if self.first:
                 return list(self.first)
         if self.fallback is not None:  # no usable model (from the start, or it failed mid-session)

@@ -10,6 +10,7 @@ No torch here: the bench and the model card use it too.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import statistics
@@ -270,6 +271,31 @@ def load_records(path: Path, cases: dict | None = None, heldout: set | None = No
                             m["config"], bool(m.get("ok")), m.get("ms"), m.get("phase", ""),
                             source_hash=rec.get("source_hash"))
     return cases, n
+
+
+def load_cases(data: list[Path], records: list[Path]) -> tuple[dict, str, int, int, int]:
+    """(cases, dataset sha256, record sessions, measurements they added, cases from the journals) of the collector
+    journals and then the tuning records."""
+    cases: dict = {}
+    h = hashlib.sha256()
+    for p in data:
+        load_collector(p, cases)
+        for row in _rows(Path(p)):  # the training rows only: held-out references may grow without changing it
+            if row.get("kind") == "hw" or row.get("split") == "train":
+                h.update(json.dumps(row, sort_keys=True).encode())
+    heldout = {c.problem for c in cases.values() if c.split == "heldout"}
+    n_sessions, from_journal, measured = 0, len(cases), 0
+    for p in records:
+        before = sum(c.n_measured for c in cases.values())
+        _, n = load_records(p, cases, heldout)
+        added = sum(c.n_measured for c in cases.values()) - before  # a record of a journal case's problem on the
+        #                                                             same device joins that case
+        if not added:
+            print(f"warning: the {n} record sessions of {p} added no measurement (records of another kernel "
+                  "version, or of held-out problems, are left out)", flush=True)
+        n_sessions, measured = n_sessions + n, measured + added
+        h.update(Path(p).read_bytes())
+    return cases, h.hexdigest(), n_sessions, measured, from_journal
 
 
 def split_cases(cases: dict[tuple, Case]) -> tuple[list[Case], list[Case]]:

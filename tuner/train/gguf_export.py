@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import sentencepiece as spm
 
+from tuner.model.scorer import SPEC_KEY, TREES_KEY
 from tuner.train.model import TinyLlama
 
 
@@ -55,6 +59,8 @@ def write_f16(model: TinyLlama, sp_proto: bytes, path: Path, meta: dict) -> None
     w.add_string("edgetune.prompt_format", str(meta.get("prompt_format", "")))
     w.add_string("edgetune.spaces", json.dumps(meta.get("spaces", {}), sort_keys=True))
     w.add_string("edgetune.training", json.dumps(meta.get("training", {}), sort_keys=True))
+    if meta.get("scorer"):
+        add_scorer(meta["scorer"], w)
 
     def t(name: str, x, f16: bool = True) -> None:
         a = x.detach().cpu().float().numpy()
@@ -93,3 +99,39 @@ def quantize_q8_0(src: Path, dst: Path, threads: int = 2) -> None:
     rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({src} -> {dst}) failed with {rc}")
+
+
+def add_scorer(meta: dict[str, Any], w: gguf.GGUFWriter) -> None:
+    """Add the scorer metadata (tuner.train.scorer.fit) to a GGUF being written."""
+    w.add_string(SPEC_KEY, meta[SPEC_KEY])
+    w.add_key_value(TREES_KEY, list(meta[TREES_KEY]), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT8)
+
+
+def rewrite_with_scorer(path: Path, meta: dict[str, Any]) -> None:
+    """Rewrite a GGUF with this scorer (replacing any it had); tensors and other metadata are copied unchanged."""
+    reader = gguf.GGUFReader(path, "r")
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".gguf.tmp", delete=False) as tmp:
+        out = Path(tmp.name)
+    try:
+        w = gguf.GGUFWriter(out, arch=str(reader.get_field("general.architecture").contents()),
+                            endianess=reader.endianess)
+        for field in reader.fields.values():
+            if field.name in ("general.architecture", SPEC_KEY, TREES_KEY) or field.name.startswith("GGUF."):
+                continue
+            vtype = field.types[0]
+            w.add_key_value(field.name, field.contents(), vtype,
+                            sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        add_scorer(meta, w)
+        for t in reader.tensors:
+            w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in reader.tensors:
+            w.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        w.close()
+        del reader
+        os.chmod(out, path.stat().st_mode & 0o777)
+        os.replace(out, path)
+    finally:
+        out.unlink(missing_ok=True)

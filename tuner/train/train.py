@@ -33,6 +33,8 @@ from tuner.train import data as D
 from tuner.train.data import HwView as _HwView
 from tuner.train.gguf_export import quantize_q8_0, write_f16
 from tuner.train.model import Config, TinyLlama
+from tuner.train.scorer import fit as fit_scorer
+from tuner.train.scorer import summary as scorer_summary
 from tuner.train.tokenizer import load as load_sp
 from tuner.train.tokenizer import train_tokenizer
 
@@ -310,26 +312,7 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
     t_all = time.time()
     r = recipe
     torch.set_num_threads(r.threads)
-    cases: dict = {}
-    h = hashlib.sha256()
-    for p in data:
-        D.load_collector(p, cases)
-        for row in D._rows(Path(p)):  # the training rows only: held-out references may grow without changing it
-            if row.get("kind") == "hw" or row.get("split") == "train":
-                h.update(json.dumps(row, sort_keys=True).encode())
-    heldout = {c.problem for c in cases.values() if c.split == "heldout"}
-    n_sessions, from_journal, measured = 0, len(cases), 0
-    for p in records:
-        before = sum(c.n_measured for c in cases.values())
-        _, n = D.load_records(p, cases, heldout)
-        added = sum(c.n_measured for c in cases.values()) - before  # a record of a journal case's problem on the
-        #                                                             same device joins that case
-        if not added:
-            print(f"warning: the {n} record sessions of {p} added no measurement (records of another kernel "
-                  "version, or of held-out problems, are left out)", flush=True)
-        n_sessions, measured = n_sessions + n, measured + added
-        h.update(Path(p).read_bytes())
-    dataset_sha = h.hexdigest()
+    cases, dataset_sha, n_sessions, measured, from_journal = D.load_cases(data, records)
     train, held = D.split_cases(cases)
     if not train:
         raise SystemExit("no training cases in the data")
@@ -356,13 +339,14 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
                 "hw_mix": r.hw_mix, "hw_variants": HW_VARIANTS if r.hw_mix > 0 else 0, "histories": r.histories,
                 "hist_mix": r.hist_mix,
                 "final_loss": float(np.mean(losses[-50:])), "threads": r.threads, "arch": cfg.to_dict()}
+    scorer = fit_scorer(train)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as td:
         f16 = Path(td) / f"{name}.f16.gguf"
         q8 = Path(td) / f"{name}.Q8_0.gguf"
         meta = {"name": name, "version": version, "dataset_sha256": dataset_sha, "prompt_format": PROMPT_FORMAT,
                 "training": training}
-        write_f16(model, proto, f16, meta | {"spaces": spaces_meta({c.kernel for c in train})})
+        write_f16(model, proto, f16, meta | {"spaces": spaces_meta({c.kernel for c in train}), "scorer": scorer})
         quantize_q8_0(f16, q8, r.threads)
         probe_seqs = seqs[:: max(1, len(seqs) // 4)][:4] + hist_seqs[:2]  # with and without a history
         agree_f16 = agreement(model, f16, probe_seqs)
@@ -384,6 +368,7 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
         "tokenizer": {"type": "sentencepiece BPE", "pieces": cfg.vocab, "add_space_prefix": False},
         "training": training, "training_seconds": round(time.time() - t_all, 1),
         "agreement": {"f16": agree_f16, "q8_0": agree_q8},
+        "scorer": scorer_summary(scorer),
         "heldout_protocol": HELDOUT_PROTOCOL,
         "heldout": {k: v for k, v in metrics.items() if k != "per_case"},
         "heldout_per_case": metrics.get("per_case", []),
