@@ -129,7 +129,7 @@ def decide(case: dict, space, default: dict, rounds: list[int], policy: tuple) -
             got.append(prior[config_key(c)])
         if got:
             scored.append((c, Measurement(ok=True, ms=statistics.median(m.ms for m in got), load1=0.0)))
-    winner, _ = pick_winner(scored, space, default)
+    winner, _ = pick_winner(scored, default)
     cost = len(searched) * case["cost_s"][str(sw)] + len(finalists) * sum(case["cost_s"][str(w)] for w in fws)
     return idx[config_key(winner)], cost
 

@@ -102,6 +102,22 @@ def test_a_slow_search_result_is_no_finalist_and_ties_go_to_the_default(hw):
     assert r.config == default and r.speedup == 1.0  # 1% faster is a tie: the device keeps its default
 
 
+def test_among_tuned_configs_the_fastest_finalist_wins_a_tie(hw):
+    """Two configs tie within the noise, neither the default: the faster one wins, not the one nearer the default."""
+    space = GEMM.space(SMALL.shape, hw)
+    default = space.valid_default()
+    universe, table = _table(space, lambda c: 1.0 if config_key(c) == config_key(default) else 0.7)
+    tuned = sorted((c for c in universe.table if config_key(c) != config_key(default)),
+                   key=lambda c: space.distance(c, default))
+    near, far = config_key(tuned[0]), config_key(tuned[-1])
+    assert space.distance(tuned[0], default) < space.distance(tuned[-1], default)
+    table[near] = Measurement(ok=True, ms=0.51, load1=0.0)
+    table[far] = Measurement(ok=True, ms=0.50, load1=0.0)  # 2% faster than `near`: a tie by the threshold
+    r = _session(universe, table).tune(GEMM, SMALL, strategy="exhaustive", budget=Budget(evals=len(table),
+                                                                                        patience=None))
+    assert config_key(r.config) == far and r.ms == 0.50
+
+
 class _Killed(Exception):
     pass
 

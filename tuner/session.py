@@ -266,7 +266,7 @@ class Session:
         if objective.fallback_reason:  # a finalist's window was refused: rank them all by latency
             for m in final:
                 m.score = m.ms
-        winner, wm = pick_winner([(c, m) for c, m in zip(finalists, final) if m.ok], space, default)
+        winner, wm = pick_winner([(c, m) for c, m in zip(finalists, final) if m.ok], default)
         dm = next((m for c, m in zip(finalists, final) if config_key(c) == config_key(default) and m.ok), None)
         res = TuneResult(
             kernel=spec.name, workload=wl.name, shape=wl.shape, config=winner, ms=wm.ms,
@@ -308,13 +308,13 @@ def pick_finalists(ok: list[tuple[Config, Measurement]], default: Config) -> lis
     return finalists
 
 
-def pick_winner(scored: list[tuple[Config, Measurement]], space: SearchSpace,
-                default: Config) -> tuple[Config, Measurement]:
-    """The fastest finalist; ties (within the noise threshold) go to the default, then to the config closest to it,
-    so noise never moves a device off a config for nothing."""
-    best = min(m.value for _, m in scored)
-    tied = [(c, m) for c, m in scored if is_tie(m.value, best)]
-    return min(tied, key=lambda cm: (space.distance(cm[0], default), cm[1].value))
+def pick_winner(scored: list[tuple[Config, Measurement]], default: Config) -> tuple[Config, Measurement]:
+    """The fastest finalist, unless the default ties it (within the noise threshold): a speedup inside the noise is
+    not claimed, and the device keeps its default. Among tuned configs a tie has no such reason: the fastest
+    measured is the best guess (nearness to the default, the rule before, is no evidence of speed)."""
+    best = min(scored, key=lambda cm: cm[1].value)
+    kept = next(((c, m) for c, m in scored if config_key(c) == config_key(default)), None)
+    return kept if kept is not None and is_tie(kept[1].value, best[1].value) else best
 
 
 def _from_stats(stats: dict) -> Measurement:
