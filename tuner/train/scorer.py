@@ -22,12 +22,12 @@ import numpy as np
 from edgetune.atomic import write_atomic
 from edgetune.errors import BadInput
 from tuner.model.scorer import FORMAT, SPEC_KEY, TREES_KEY, FeatureSpec, Scorer
-from tuner.train.gguf_export import rewrite_with_scorer
 from tuner.train import data as D
+from tuner.train.gguf_export import rewrite_with_scorer
 
-# 100 trees of 31 leaves: on the 35 real held-out layers, re-ranking the model's top-15 put a config within 5% of
-# the best into the first batch on 30-31 (top-20: 32) against 28 for the model's own order; 400 trees of 63 leaves
-# read 29-31 at five times the size
+# 100 trees of 31 leaves: re-ranking the model's top-15 put a config within 5% of the best into the first batch on
+# 30 of the 35 real held-out layers, against 28 in the model's own order (quantized_models/data/recipe-trials.md);
+# 400 trees of 63 leaves did no better at five times the size
 TREES = 100
 LEAVES = 31
 LEARNING_RATE = 0.15
