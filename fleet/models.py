@@ -104,8 +104,8 @@ def build(store: FleetStore, devices: list[str] | None, out_dir: Path | None, *,
         from tuner.train import data as D
         from tuner.train.train import Recipe, run
     except ImportError as e:
-        raise EdgetuneError(f"building a model needs the [train] extra (torch, sentencepiece, gguf, scikit-learn): {e}; install "
-                            "it with `pip install -e '.[train]'`") from None
+        raise EdgetuneError(f"building a model needs the [train] extra (torch, sentencepiece, gguf, scikit-learn): "
+                            f"{e}; install it with `pip install -e '.[train]'`") from None
     out_dir = Path(out_dir) if out_dir else paths.state_dir() / "fleet-models" / time.strftime("build-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     exported = export_records(store, devices, out_dir / "fleet-records.jsonl")

@@ -23,6 +23,7 @@ Those configs follow the exact ones, in score order, and the result says it is n
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -168,7 +169,6 @@ class Proposer:
         have needed: 16 cut a top-15's CPU p95 from 30 to 22 ms on the real held-out layers, and raised a top-5's
         p50 from 7 to 9 ms (its p95 fell, 17 to 14)."""
         self.m = model or LlamaModel(path)
-        self.scorer = _load_scorer(self.m.info)
         self.expand_per_decode = expand_per_decode
         self.max_expansions = max_expansions
         self._free: list[int] = []
@@ -176,6 +176,11 @@ class Proposer:
     @property
     def version(self) -> str:
         return self.m.version
+
+    @functools.cached_property
+    def scorer(self) -> Scorer | None:
+        """The model file's scorer, read on first use (~13 ms): only the first batch of a session needs it."""
+        return _load_scorer(self.m.info)
 
     def _alloc(self) -> int | None:
         return self._free.pop() if self._free else None

@@ -62,7 +62,7 @@ class FeatureSpec:
         for k, values in self.vocab.items():
             v = config.get(k)
             out.append(float(values.index(str(v))) if v is not None and str(v) in values else math.nan)
-        out += [d - _log2(v) if not (math.isnan(d) or math.isnan(v)) else math.nan for d in dims for v in nums]
+        out += [d - _log2(v) for d in dims for v in nums]  # NaN wherever either side is
         return out
 
     def to_dict(self) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import gguf
 import numpy as np
 import sentencepiece as spm
 
+from edgetune.atomic import write_atomic
 from tuner.model.scorer import SPEC_KEY, TREES_KEY
 from tuner.train.model import TinyLlama
 
@@ -110,9 +110,8 @@ def add_scorer(meta: dict[str, Any], w: gguf.GGUFWriter) -> None:
 def rewrite_with_scorer(path: Path, meta: dict[str, Any]) -> None:
     """Rewrite a GGUF with this scorer (replacing any it had); tensors and other metadata are copied unchanged."""
     reader = gguf.GGUFReader(path, "r")
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".gguf.tmp", delete=False) as tmp:
-        out = Path(tmp.name)
-    try:
+    with tempfile.TemporaryDirectory(dir=path.parent) as td:
+        out = Path(td) / path.name
         w = gguf.GGUFWriter(out, arch=str(reader.get_field("general.architecture").contents()),
                             endianess=reader.endianess)
         for field in reader.fields.values():
@@ -131,7 +130,4 @@ def rewrite_with_scorer(path: Path, meta: dict[str, Any]) -> None:
             w.write_tensor_data(t.data, tensor_endianess=reader.endianess)
         w.close()
         del reader
-        os.chmod(out, path.stat().st_mode & 0o777)
-        os.replace(out, path)
-    finally:
-        out.unlink(missing_ok=True)
+        write_atomic(path, out.read_bytes(), mode=path.stat().st_mode & 0o777)
