@@ -1,19 +1,21 @@
 """Verbs `daemon`, `status`, `retune`, `ping`, `config check` and `notify firmware-changed`.
 
 All but `daemon` and `config check` talk to a running daemon over the control socket; when it is down they say
-so and exit 1 (`status --json` as a JSON object on stdout; `notify` instead leaves a marker the daemon reads at its
-next start).
+so and exit 1 (`status`, `ping` and `retune` with `--json` as a JSON object on stdout; `notify` instead leaves a
+marker the daemon reads at its next start). A running daemon that answers with an error is not "down": that is its
+error, exit 1 (2 for bad input).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import stat
 import time
-from typing import Any
+from typing import Any, Callable
 
 from edgetune import config as config_mod
 from daemon import control, firmware
@@ -91,23 +93,39 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         raise CannotStart(str(e)) from e
 
 
+def _checked(reply: dict) -> dict:
+    """`reply` if ok; else the daemon's own error. The daemon is up, so not DaemonDown: its "not running" would
+    be wrong, and `notify` would leave a marker for a daemon that is there (and refused it)."""
+    if reply.get("ok"):
+        return reply
+    why = reply.get("error") or "no reason given"
+    if reply.get("exit") == 2:
+        raise BadInput(why)
+    raise EdgetuneError(f"the daemon replied with an error: {why}")
+
+
 def _one(req: dict) -> dict:
-    reply = next(control.request(req))
-    if not reply.get("ok"):
-        raise BadInput(reply["error"]) if reply.get("exit") == 2 else control.DaemonDown(reply["error"])
-    return reply
+    return _checked(next(control.request(req)))
 
 
+def _json_when_down(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """With --json, a daemon that is down is an answer on stdout, not only a message on stderr: a script reading
+    stdout gets JSON it can parse, not an empty string; the exit code still says it."""
+    @functools.wraps(cmd)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return cmd(args)
+        except control.NotListening as e:
+            if not args.json:
+                raise
+            emit({"running": False, "socket": str(e.path), "reason": e.reason, "error": str(e)}, True)
+            return e.exit_code
+    return run
+
+
+@_json_when_down
 def cmd_status(args: argparse.Namespace) -> int:
-    try:
-        st = _one({"op": "status"})
-    except control.NotListening as e:
-        if not args.json:
-            raise
-        # a script reading stdout gets an answer it can parse, not an empty string; the exit code still says it
-        emit({"running": False, "socket": str(e.path), "reason": e.reason, "error": str(e)}, True)
-        return e.exit_code
-    emit(st, args.json, _render_status)
+    emit(_one({"op": "status"}), args.json, _render_status)
     return 0
 
 
@@ -158,6 +176,7 @@ def _model_line(m: dict | None, up: dict | None) -> str:
     return line
 
 
+@_json_when_down
 def cmd_ping(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     reply = _one({"op": "ping"})
@@ -166,6 +185,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
     return 0
 
 
+@_json_when_down
 def cmd_retune(args: argparse.Namespace) -> int:
     req: dict[str, Any] = {"op": "retune", "kernels": args.kernel, "workloads": args.workload,
                            "strategy": args.strategy, "budget": args.budget, "force": args.force, "wait": args.wait}
@@ -173,9 +193,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
     with progress(args.wait and not args.json) as bar:
         task = bar.add_task("retune", total=1.0) if bar else None
         for reply in control.request(req, timeout=None if args.wait else 10.0):
-            if not reply.get("ok"):
-                raise BadInput(reply["error"]) if reply.get("exit") == 2 else control.DaemonDown(reply["error"])
-            last = reply
+            last = _checked(reply)
             if bar and task is not None:
                 bar.update(task, completed=reply.get("progress") or 0, description=reply.get("message") or "retune")
     emit(last, args.json, lambda r: say(

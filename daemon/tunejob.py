@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 PR_SET_PDEATHSIG = 1
 
 
-class Stopping(Exception):
-    pass
+class Stopping(BaseException):
+    """The daemon asked the tune to stop (SIGTERM). A BaseException, as KeyboardInterrupt: the session records
+    an Exception as `failed`, while a stop leaves it `running`, to be resumed from its journal."""
 
 
 def request(spec: Any, wl: Any, *, force: bool, strategy: str, budget: int, origin: str, hw: Any,
@@ -97,8 +98,9 @@ def main() -> int:
             meter.start()
         with Runner() as runner:
             res = Session(db, runner, HwDescriptor.from_dict(req["hw"])).tune(
-                spec, wl, strategy=req["strategy"], budget=Budget(evals=req["budget"], seconds=req.get("max_s")), force=req["force"],
-                origin=req["origin"], progress=progress, objective=Objective.create(req["objective"], meter))
+                spec, wl, strategy=req["strategy"], budget=Budget(evals=req["budget"], seconds=req.get("max_s")),
+                force=req["force"], origin=req["origin"], progress=progress,
+                objective=Objective.create(req["objective"], meter))
         send({"result": res.to_dict()})
     except Stopping:
         logging.getLogger(__name__).info("%s/%s checkpointed after its last measurement", spec.name, wl.name)

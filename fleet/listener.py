@@ -24,8 +24,10 @@
   the limit, MQTT 3.1.1) the client stops reading until the writer catches up.
 - When the DB cannot be written (disk full, locked, unreachable, damaged pages: any DBError, which is never a
   payload's fault), it stops acknowledging, raises the alarm (`alarm` holds the error, `counts["retry"]` counts
-  the failures, the log says it once per outage), drops what is queued, reconnects after a backoff of at most
-  DB_BACKOFF_MAX_S and gets the unacknowledged messages again; the first batch stored afterwards clears the alarm.
+  the failures; the log says it once, reminds at most once a minute while it lasts and says when it is over:
+  fleet.downlog), drops what is queued, reconnects after a backoff of at most DB_BACKOFF_MAX_S and gets the
+  unacknowledged messages again; the first write that works afterwards (a batch, or expiring commands) clears the
+  alarm.
 - A malformed payload is logged, noted in the `malformed` table, acknowledged and skipped: it never stops the
   listener.
 - End-to-end delivery: after committing a tuning record or a final command response it publishes the protocol
@@ -55,6 +57,7 @@ from edgetune.broker import BrokerSettings, Client, Connection, Handler, Message
 from edgetune.protocol import Topics, encode
 from edgetune.sqlite import DBBusy, DBError
 from edgetune.wakeup import Wakeup
+from fleet.downlog import DownLog
 from fleet.ingest import Outcome, ingest_batch, retired_subscriptions, subscriptions
 from fleet.mqtt import hostname
 from fleet.store import open_fleet_store
@@ -95,7 +98,7 @@ class Listener(Handler):
                              retained_on_resume=False, retired=retired_subscriptions(share or None),
                              name="fleet-listener")
         self.alarm: str | None = None  # the fleet DB's error while it cannot store; None when it works
-        self._db_failures = 0
+        self.db_down = DownLog(f"the fleet DB {self.store.path}", "storing and acknowledging", log, alarm="ALARM ")
         self._expired_at = 0.0
         self.on_outcome = on_outcome
         self.counts: Counter[str] = Counter()
@@ -265,10 +268,7 @@ class Listener(Handler):
             self._db_failed(e, f"storing {len(batch)} message(s)")
             return
         self._tx_s.append(time.monotonic() - t0)
-        if self.alarm is not None:
-            log.warning("fleet DB %s works again after %d failed attempt(s); storing and acknowledging",
-                        self.store.path, self._db_failures)
-            self.alarm, self._db_failures = None, 0
+        self._db_works()
         self.client.call_soon(lambda conn: self._acknowledge(batch, outcomes, conn))
         self._batch_max = max(self._batch_max, len(batch))
         counts = Counter(messages=len(batch), batches=1)
@@ -294,19 +294,22 @@ class Listener(Handler):
         except DBError as e:
             self._db_failed(e, "expiring commands")
             return
+        self._db_works()
         if n:
             log.info("%d command(s) expired unanswered", n)
             self._count(expired=n)
 
     def _db_failed(self, e: DBError, doing: str) -> None:
         """Stop acknowledging, alarm, and reconnect after a backoff: the broker sends the unacknowledged again."""
-        self._db_failures += 1
-        if self.alarm is None:
-            log.error("ALARM fleet DB %s failed %s (%s); acknowledging nothing until it works again, retrying "
-                      "every few seconds", self.store.path, doing, e)
+        self.db_down.failed(f"{doing}: {e}")
         self.alarm = str(e)
         self._count(retry=1)
         self._retry_later(str(e))
+
+    def _db_works(self) -> None:
+        """A write committed: the alarm is over (and the log says so once)."""
+        self.alarm = None
+        self.db_down.ok()
 
     def _retry_later(self, why: str) -> None:
         """Drop what is queued (unacknowledged) and reconnect after a backoff, to be sent it all again."""
@@ -314,7 +317,7 @@ class Listener(Handler):
             self._retry = True
             self._queue.clear()
         log.debug("reconnecting to get the unacknowledged messages again: %s", why)
-        self.client.drop(backoff(max(1, self._db_failures), self.settings.reconnect_min_s, DB_BACKOFF_MAX_S))
+        self.client.drop(backoff(max(1, self.db_down.failures), self.settings.reconnect_min_s, DB_BACKOFF_MAX_S))
 
     def _count(self, **n: int) -> None:
         with self._cond:

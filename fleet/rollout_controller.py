@@ -1,7 +1,7 @@
 """The fleet server's rollout controller: a thread that, every INTERVAL_S, counts the devices of each open rollout
-that never reported as timed out and applies fleet.rollout.decide to it (abort, advance, complete) and publishes what follows, retained, on each device's `model/release`:
-the release to every device of a released phase that has not been sent it, and after an abort the pre-signed
-rollback to every device that was.
+that never reported as timed out and applies fleet.rollout.decide to it (abort, advance, complete) and publishes
+what follows, retained, on each device's `model/release`: the release to every device of a released phase that has
+not been sent it, and after an abort the pre-signed rollback to every device that was.
 
 What was sent is written to the fleet DB after the broker acknowledged it (PUBACK), so a crash in between sends
 it again, which a device ignores (the same release). Operators' pause/resume/abort only change the DB; this loop
@@ -16,11 +16,11 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 from edgetune.broker import BrokerError, BrokerSettings, Client, Handler
 from edgetune.sqlite import DBError
 from fleet import rollout_store as rs
+from fleet.downlog import DownLog
 from fleet.mqtt import hostname
 from fleet.rollout import Decision, decide, release_message, release_topic
 from fleet.store import FleetStore, open_fleet_store
@@ -29,36 +29,6 @@ log = logging.getLogger("fleet.rollouts")
 
 INTERVAL_S = 1.0
 PUBLISH_TIMEOUT_S = 10.0
-REMIND_S = 60.0  # while the fleet DB stays down, the log says so again at most this often
-
-
-class DownLog:
-    """The log of a dependency that fails on every turn of a loop: one error when it goes away, a reminder at most
-    every `remind_s` while it stays away, one line when it is back. Once per failed turn (every second) buried the
-    rest of the log during a PostgreSQL outage."""
-
-    def __init__(self, what: str, remind_s: float = REMIND_S, clock: Callable[[], float] = time.monotonic):
-        self.what, self.remind_s, self.clock = what, remind_s, clock
-        self.failures = 0
-        self._since = self._logged = 0.0
-
-    def failed(self, e: Exception) -> None:
-        now = self.clock()
-        self.failures += 1
-        if self.failures == 1:
-            self._since = self._logged = now
-            log.error("rollouts stopped: %s failed (%s); retrying, and saying so again every %.0f s while it fails",
-                      self.what, e, self.remind_s)
-        elif now - self._logged >= self.remind_s:
-            self._logged = now
-            log.error("rollouts still stopped: %s has failed for %.0f s (%d turns): %s", self.what,
-                      now - self._since, self.failures, e)
-
-    def ok(self) -> None:
-        if self.failures:
-            log.warning("rollouts resumed: %s works again after %.0f s (%d failed turns)", self.what,
-                        self.clock() - self._since, self.failures)
-            self.failures = 0
 
 
 class RolloutController(Handler):
@@ -67,7 +37,7 @@ class RolloutController(Handler):
         self.interval_s = interval_s
         self.client = Client(settings, f"edgetune-fleet-rollouts-{hostname()}-{os.getpid()}", self,
                              name="fleet-rollouts-mqtt")
-        self.db_down = DownLog(f"the fleet DB {self.store.path}")
+        self.db_down = DownLog(f"the fleet DB {self.store.path}", "rollouts", log)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fleet-rollouts", daemon=True)
 

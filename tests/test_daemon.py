@@ -139,6 +139,43 @@ def test_status_json_says_the_daemon_is_down_on_stdout(tmp_path):
     assert "not running (connection refused by the control socket" in " ".join(r.stderr.split()), r.stderr
 
 
+def test_ping_and_retune_json_say_the_daemon_is_down_on_stdout(tmp_path):
+    """`ping --json` and `retune --json` printed nothing on stdout when the daemon was down, as `status --json`
+    once did; without --json they still say it on stderr only."""
+    d = DaemonProc(daemon_config(tmp_path, None))
+    sock = os.path.join(d.env["RUNTIME_DIRECTORY"], "control.sock")
+    for verb in (["ping"], ["retune"], ["retune", "--wait"]):
+        r = d.cli(*verb, "--json")
+        assert r.returncode == 1 and r.stdout, (verb, r.stdout, r.stderr)
+        doc = json.loads(r.stdout)
+        assert (doc["running"], doc["socket"], doc["reason"]) == (False, sock, "no control socket"), verb
+        assert "the edgetune daemon is not running" in doc["error"]
+        r = d.cli(*verb)
+        assert r.returncode == 1 and r.stdout == "" and "not running" in r.stderr, (verb, r.stderr)
+
+
+def test_an_error_from_a_running_daemon_is_not_called_daemon_down(tmp_path):
+    """A daemon that is up but refuses a request (here: paused on a full disk before it is ready) was reported as
+    DaemonDown: `notify` then left a marker and said "daemon not running" for a daemon that was there."""
+    from tests.test_delivery import fill, tmpfs
+
+    with tmpfs(tmp_path / "fs") as fs:
+        fill(fs)
+        d = DaemonProc(daemon_config(tmp_path, None), env={**os.environ, "STATE_DIRECTORY": str(fs)}).start()
+        try:
+            d.wait_status(lambda s: s["state"] == "paused", 60)
+            r = d.cli("retune")
+            said = " ".join(r.stderr.split())
+            assert r.returncode == 1 and "the daemon replied with an error: the daemon is paused" in said, said
+            r = d.cli("notify", "firmware-changed", "--source", "mender", "--json")
+            said = " ".join(r.stderr.split())
+            assert r.returncode == 1 and r.stdout == "" and "replied with an error" in said, (r.stdout, said)
+            assert not (fs / "firmware-changed").exists()
+            assert d.signal(signal.SIGTERM) == 0
+        finally:
+            d.stop()
+
+
 def test_no_broker_still_tunes(tmp_path):
     d = DaemonProc(daemon_config(tmp_path, None)).start()
     try:

@@ -4,6 +4,7 @@ real daemons (tests/test_daemon_support.py) and the real fleet listener, waiting
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -134,6 +135,40 @@ def test_a_full_fleet_db_alarms_acknowledges_nothing_and_resumes_when_space_retu
             lst.stop()
         with FleetStore(db) as s:
             assert len(s.telemetry("dev-full")) == 30 and len(s.records("dev-full")) == 1
+
+
+def test_the_listener_logs_a_fleet_db_outage_once_reminds_and_says_when_it_is_back(mosquitto, caplog):
+    """It logged a PostgreSQL outage once and never again: no reminder while it lasted, and no line when it ended
+    if no batch had to be stored. Now fleet.downlog, as the rollout controller: once, a reminder at most every
+    `remind_s` (a minute; a second here, for a short outage), and once when the DB is back."""
+    from tests.pg import PgCluster, missing_reason
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    caplog.set_level(logging.INFO, logger="fleet.listener")
+    cluster = PgCluster().init()
+    try:
+        lst = listener(mosquitto, cluster.create_db(), client_id="fleet-pg-outage")
+        bus = Bus(mosquitto, ())
+        try:
+            lst.db_down.remind_s = 1.0
+            cluster.stop()
+            bus.publish(Topics("dev-pg").telemetry, encode({"seq": 0, "boot_id": "b"}))  # resent on each reconnect
+            wait_until(lambda: lst.db_down.failures >= 8, lambda: f"8 failed writes ({dict(lst.counts)})", T)
+            failures = lst.db_down.failures
+            cluster.start()
+            wait_until(lambda: lst.counts["telemetry"] >= 1 and lst.alarm is None, "the telemetry stored", T)
+        finally:
+            bus.close()
+            lst.stop()
+    finally:
+        cluster.destroy()
+    lines = [r.getMessage() for r in caplog.records if r.name == "fleet.listener" and "the fleet DB" in r.getMessage()]
+    assert lines[0].startswith("ALARM storing and acknowledging stopped: the fleet DB "), lines
+    reminders = [line for line in lines if line.startswith("ALARM storing and acknowledging still stopped: ")]
+    assert 1 <= len(reminders) < failures - 1, lines  # reminded, but not on every failed write
+    assert len(lines) == 2 + len(reminders), lines
+    assert lines[-1].startswith("storing and acknowledging resumed: the fleet DB ") and "works again" in lines[-1]
 
 
 def test_damaged_fleet_db_pages_are_a_db_error_not_a_malformed_payload(tmp_path, mosquitto):

@@ -439,11 +439,11 @@ def test_the_rollout_controller_logs_a_fleet_db_outage_once_not_every_turn(mosqu
 
 def test_a_long_fleet_db_outage_is_logged_again_at_most_once_a_minute(caplog):
     from edgetune.sqlite import DBError
-    from fleet.rollout_controller import DownLog
+    from fleet.downlog import DownLog
 
     caplog.set_level(logging.INFO, logger="fleet.rollouts")
     now = [0.0]
-    down = DownLog("the fleet DB x", clock=lambda: now[0])
+    down = DownLog("the fleet DB x", "rollouts", logging.getLogger("fleet.rollouts"), clock=lambda: now[0])
     for second in range(150):  # a failed turn a second for 150 s
         now[0] = float(second)
         down.failed(DBError("cannot be reached", Path("x")))

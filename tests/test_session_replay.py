@@ -118,8 +118,8 @@ def test_among_tuned_configs_the_fastest_finalist_wins_a_tie(hw):
     assert config_key(r.config) == far and r.ms == 0.50
 
 
-class _Killed(Exception):
-    pass
+class _Killed(BaseException):
+    """A kill: like ^C or the daemon's stop, no Exception, which the session would record as `failed`."""
 
 
 class _DiesAfter(Replay):

@@ -24,6 +24,7 @@ from kernels.registry import get_spec
 from kernels.space import config_key
 from kernels.spec import C_DIR
 from edgetune.sqlite import DBError
+from hwprobe.compiler import CompilerMissing
 from tuner.db import ResultsDB
 from tuner.evaluate import interleave_plan
 from tuner.grammar import GrammarError, export_grammar, validate
@@ -340,6 +341,19 @@ def test_failed_variants_recorded_and_never_chosen(hw, runner, tmp_path):
     assert r.config["mr"] != 1 and r.failed == 2
     failed = [m for m in db.measurements(r.session_id, "search") if not m["ok"]]
     assert len(failed) == 2 and all("SIGSEGV" in m["reason"] for m in failed)
+
+
+def test_a_session_that_ends_by_an_exception_is_recorded_failed_not_running(hw, runner, tmp_path, monkeypatch):
+    """A tune that raised (here the real CompilerMissing of a C compiler that is gone, from the first build) stayed
+    `running` in the results DB, as if still in progress, and never went out as a tuning record."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    db = ResultsDB()
+    with pytest.raises(CompilerMissing):
+        Session(db, runner, hw).tune(GEMM, SMALL, strategy="random", budget=Budget(evals=2))
+    (row,) = db.query("SELECT id, state, result_json FROM sessions")
+    assert row["state"] == "failed", row["state"]
+    assert "CompilerMissing" in json.loads(row["result_json"])["reason"] and "no-such-cc" in row["result_json"]
+    assert [s.id for s in db.ended_sessions()] == [row["id"]]  # published as a failed run's record
 
 
 def test_resume_after_sigkill(tmp_path):

@@ -132,6 +132,14 @@ class ResultsDB(Store):
             c.execute("UPDATE sessions SET state=?, finished_at=?, result_json=? WHERE id=?",
                       (state, time.time(), json.dumps(result), session_id))
 
+    def fail_session(self, session_id: int, reason: str) -> bool:
+        """Record a session that ended by an error as `failed` with `reason`, unless it already recorded its own
+        end (done, or failed with its own result). Returns whether it was still running."""
+        with self.tx() as c:
+            cur = c.execute("UPDATE sessions SET state='failed', finished_at=?, result_json=? WHERE id=? "
+                            "AND state='running'", (time.time(), json.dumps({"reason": reason}), session_id))
+            return cur.rowcount > 0
+
     def interrupt_running(self, kernel: str, workload: str, except_id: int) -> int:
         """Close the other unfinished sessions of this kernel/workload as `interrupted`: a new session supersedes
         them (other budget, strategy or firmware), so they would never resume, and closed they are published with
@@ -200,8 +208,8 @@ class ResultsDB(Store):
             row = c.execute("SELECT pinned FROM active WHERE kernel=? AND workload=?", (kernel, workload)).fetchone()
             if row and row["pinned"] and not pinned and not force:
                 return False
-            c.execute("INSERT OR REPLACE INTO active (kernel, workload, entry_json, pinned, updated_at) VALUES (?,?,?,?,?)",
-                      (kernel, workload, json.dumps(entry), int(pinned), time.time()))
+            c.execute("INSERT OR REPLACE INTO active (kernel, workload, entry_json, pinned, updated_at) "
+                      "VALUES (?,?,?,?,?)", (kernel, workload, json.dumps(entry), int(pinned), time.time()))
         write_active(self.active_document())
         return True
 

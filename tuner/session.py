@@ -1,7 +1,9 @@
 """One tuning session for one kernel/workload: ask, compile a batch, measure, tell; journal every measurement.
 
 Resumable: strategies are seeded and replay the journaled tells, so rerunning a killed command re-asks the same
-configs and takes the finished measurements from the DB instead of measuring them again.
+configs and takes the finished measurements from the DB instead of measuring them again. A session stopped on
+purpose (^C, the daemon's SIGTERM: a BaseException, not an Exception) or by its DB failing stays `running`, to be
+resumed; one that ends by any other exception is recorded `failed`, with the error as its result's `reason`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 from edgetune.errors import EdgetuneError
+from edgetune.sqlite import DBError
 from kernels.build import prune_builds
 from kernels.measure import TIE_THRESHOLD, Measurement, is_tie
 from kernels.space import Config, SearchSpace, config_key
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
 from tuner.active import activate
-from tuner.db import ResultsDB
+from tuner.db import ResultsDB, SessionRow
 from tuner.evaluate import Evaluator, Measured
 from tuner.objective import Objective
 from tuner.resultkey import ResultKey
@@ -143,8 +146,63 @@ class Session:
                 activate(self.db, spec.name, wl.name, res.active_entry(), self.hw)
                 return res
         params = {"seed": seed, "evals": budget.evals, "seconds": budget.seconds, "patience": budget.patience}
+        sess = self._session(spec, wl, rkey, params, origin)
+        with self._failed_on_error(sess.id):
+            journal = {m["seq"]: m for m in self.db.measurements(sess.id, "search")}
+            t0 = time.monotonic() - (self._elapsed(journal))
+            self.timing = {"strategy_s": 0.0}
+            evals: list[tuple[Config, Measurement]] = []
+            batch = batch or max(1, self.hw.cores)
+            best_ms, since_best = float("inf"), 0
+            relearned = objective.fallback_reason is not None
+            self.converged_at = None
+            while len(evals) < budget.evals:
+                if self.converged_at is None and evals and strat.converged():
+                    self.converged_at = len(evals)
+                if budget.until_converged and self.converged_at is not None:
+                    break
+                if budget.seconds is not None and time.monotonic() - t0 >= budget.seconds:
+                    break
+                if budget.patience is not None and since_best >= budget.patience:
+                    break
+                # a strategy may return more than asked (llm: its top-K as one batch); never beyond the budget
+                with self._timed("strategy_s"):
+                    asked = strat.ask(min(batch, budget.evals - len(evals)))[: budget.evals - len(evals)]
+                if not asked:
+                    break
+                # the first batch also builds the default, which the finals always re-measure: one compile round fewer
+                prebuild = [] if evals else [space.valid_default()]
+                measured = self._measure_batch(ev, sess.id, len(evals), asked, journal, objective, prebuild)
+                if objective.fallback_reason and not relearned:
+                    # an energy run fell back to latency: rescore everything, re-teach a fresh strategy in ms
+                    relearned = True
+                    for _, m in evals + measured:
+                        m.score = m.ms if m.ok else None
+                    best_ms = min((m.ms for _, m in evals if m.ok), default=float("inf"))
+                    if strategy_obj is None:
+                        strat = make_strategy(strategy, space, seed, kernel=spec)
+                        for c, m in evals:
+                            strat.tell(c, m)
+                for cfg, m in measured:
+                    with self._timed("strategy_s"):
+                        strat.tell(cfg, m)
+                    evals.append((cfg, m))
+                    if m.ok and m.value < best_ms * (1 - TIE_THRESHOLD):
+                        best_ms, since_best = m.value, 0
+                    else:
+                        since_best += 1
+                    best_ms = min(best_ms, m.value) if m.ok else best_ms
+                    if progress:
+                        unit = "ms" if objective.active == "latency" else objective.active
+                        progress(len(evals), budget.evals, f"{spec.name}/{wl.name} best {best_ms:.4g} {unit}")
+            result = self._finish(ev, spec, wl, space, strat, sess.id, key, evals, t0, objective)
+            prune_builds()  # after the finals: this session's builds are the most recently used
+            return result
+
+    def _session(self, spec: KernelSpec, wl: Workload, rkey: ResultKey, params: dict, origin: str) -> SessionRow:
+        """The unfinished session with this key and params, to resume, or a new one (which supersedes the rest)."""
         # force skips the finished result, never an interrupted run: its measurements are resumed, not lost
-        sess = self.db.running_session(key, params)
+        sess = self.db.running_session(rkey.digest(), params)
         if sess is None:
             sess = self.db.open_session(rkey, self.hw.fw_fingerprint, params, origin)
             closed = self.db.interrupt_running(spec.name, wl.name, sess.id)
@@ -153,56 +211,23 @@ class Session:
                          wl.name)
         else:
             log.info("resuming session %d for %s/%s", sess.id, spec.name, wl.name)
-        journal = {m["seq"]: m for m in self.db.measurements(sess.id, "search")}
-        t0 = time.monotonic() - (self._elapsed(journal))
-        self.timing = {"strategy_s": 0.0}
-        evals: list[tuple[Config, Measurement]] = []
-        batch = batch or max(1, self.hw.cores)
-        best_ms, since_best = float("inf"), 0
-        relearned = objective.fallback_reason is not None
-        self.converged_at = None
-        while len(evals) < budget.evals:
-            if self.converged_at is None and evals and strat.converged():
-                self.converged_at = len(evals)
-            if budget.until_converged and self.converged_at is not None:
-                break
-            if budget.seconds is not None and time.monotonic() - t0 >= budget.seconds:
-                break
-            if budget.patience is not None and since_best >= budget.patience:
-                break
-            # a strategy may return more than asked (llm: its top-K as one batch); never beyond the budget
-            with self._timed("strategy_s"):
-                asked = strat.ask(min(batch, budget.evals - len(evals)))[: budget.evals - len(evals)]
-            if not asked:
-                break
-            # the first batch also builds the default, which the finals always re-measure: one compile round fewer
-            prebuild = [] if evals else [space.valid_default()]
-            measured = self._measure_batch(ev, sess.id, len(evals), asked, journal, objective, prebuild)
-            if objective.fallback_reason and not relearned:
-                # an energy run fell back to latency: rescore everything, re-teach a fresh strategy in ms
-                relearned = True
-                for _, m in evals + measured:
-                    m.score = m.ms if m.ok else None
-                best_ms = min((m.ms for _, m in evals if m.ok), default=float("inf"))
-                if strategy_obj is None:
-                    strat = make_strategy(strategy, space, seed, kernel=spec)
-                    for c, m in evals:
-                        strat.tell(c, m)
-            for cfg, m in measured:
-                with self._timed("strategy_s"):
-                    strat.tell(cfg, m)
-                evals.append((cfg, m))
-                if m.ok and m.value < best_ms * (1 - TIE_THRESHOLD):
-                    best_ms, since_best = m.value, 0
-                else:
-                    since_best += 1
-                best_ms = min(best_ms, m.value) if m.ok else best_ms
-                if progress:
-                    progress(len(evals), budget.evals, f"{spec.name}/{wl.name} best {best_ms:.4g} "
-                                                       f"{'ms' if objective.active == 'latency' else objective.active}")
-        result = self._finish(ev, spec, wl, space, strat, sess.id, key, evals, t0, objective)
-        prune_builds()  # after the finals: this session's builds are the most recently used
-        return result
+        return sess
+
+    @contextmanager
+    def _failed_on_error(self, session_id: int) -> Iterator[None]:
+        """An exception ends the session `failed` with its message: left `running`, a compiler that is gone or a
+        bug would show as a tune in progress forever. A DBError cannot be recorded (and its fix promises the
+        measurements back on the rerun), and a stop (BaseException) is resumed: both stay `running`."""
+        try:
+            yield
+        except DBError:
+            raise
+        except Exception as e:
+            try:
+                self.db.fail_session(session_id, f"{type(e).__name__}: {e}")
+            except DBError as db_error:  # keep the first error, which says what went wrong
+                log.error("could not record session %d as failed: %s", session_id, db_error)
+            raise
 
     @staticmethod
     def _elapsed(journal: dict) -> float:
