@@ -6,9 +6,10 @@ the model would give were the device the nearest one it knows. Per device and he
 (bench/real_layers.toml), the model's top-K is asked twice with the device's own constraints: once prompted with
 the device's descriptor, once with the nearest known descriptor (same vector width, closest caches and cores).
 
-- Measured here, this host posing as the device: `x86-64` (the SSE2 baseline, an ISA level no data has; nearest
-  known: x86-64-v2, also 128-bit) and `1 core` (this process and its worker pinned to one CPU; the data's hosts have
-  two). Both top-Ks are built for the device and measured side by side in shuffled rounds (`Evaluator.interleave`);
+- Measured here: this host itself when the data never described it (another CPU model or other caches: a real
+  unseen device; nearest known: the same ISA and vector width), and this host posing as the device: `x86-64` (the
+  SSE2 baseline, an ISA level no data has; nearest known: x86-64-v2, also 128-bit) and `1 core` (this process and
+  its worker pinned to one CPU; the data's hosts have two). Both top-Ks are built for the device and measured side by side in shuffled rounds (`Evaluator.interleave`);
   the ratio is the median over rounds of best-of-own-top-K over best-of-nearest-top-K (above 1: the unseen
   descriptor made the proposals worse).
 - Described only (no such CPU here): the ARM boards of tests/data/hwtrees and a small-cache gateway (an x86-64-v3
@@ -71,6 +72,19 @@ def nearest(device: dict, known: list[dict]) -> dict:
     return min(same, key=dist)
 
 
+def prompt_fields(d: dict) -> dict:
+    """What tells descriptors apart: the prompt's fields, and the CPU model (the data's hosts by name)."""
+    from tuner.model.prompt import hw_fields
+
+    return {**hw_fields(d), "cpu_model": d.get("cpu_model")}
+
+
+def is_unseen(hw, known: list[dict]) -> bool:
+    """The data holds no descriptor like this one (bandwidth aside: it is measured, and moves from run to run)."""
+    mine = {**prompt_fields(summary_of(hw)), "bandwidth_gbps": None}
+    return all({**prompt_fields(k), "bandwidth_gbps": None} != mine for k in known)
+
+
 def summary_of(hw) -> dict:
     from tuner.collect import hw_summary
 
@@ -88,7 +102,7 @@ def measured_device(name: str, hw, layers, prop, known: list[dict], k: int, roun
     from tuner.evaluate import Measured, same_round_ratio
 
     own = summary_of(hw)
-    near = nearest(own, [d for d in known if d["isa"] != own["isa"] or d.get("cores") != own.get("cores")])
+    near = nearest(own, [d for d in known if prompt_fields(d) != prompt_fields(own)])
     print(f"{name}: {own['isa']}, {own['cores']} core(s); nearest known: {near.get('cpu_model')} {near['isa']} "
           f"{near.get('cores')} cores", flush=True)
     rows = []
@@ -115,6 +129,21 @@ def measured_device(name: str, hw, layers, prop, known: list[dict], k: int, roun
             print(f"  [{i + 1}/{len(layers)}] {spec.name}/{wl.name}: own/nearest best-of-top-{k} "
                   f"{ratio if ratio else float('nan'):.3f}, same top-1 {rows[-1]['same_top1']}, overlap "
                   f"{rows[-1]['overlap']}/{k}, load {rows[-1]['load1']:.1f}", flush=True)
+    return rows
+
+
+def measured_posed(layers, prop, known: list[dict], k: int, rounds: int) -> list[dict]:
+    """This host posing as an SSE2-only device, then as a 1-core one."""
+    from hwprobe import probe
+
+    rows = measured_device("x86-64 baseline", probe(isa_cap="x86-64", measure_bandwidth=False), layers, prop,
+                           known, k, rounds)
+    cpus = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(cpus)})
+        rows += measured_device("1 core", probe(measure_bandwidth=False), layers, prop, known, k, rounds)
+    finally:
+        os.sched_setaffinity(0, cpus)
     return rows
 
 
@@ -151,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-measure", action="store_true", help="only the described devices (no timing)")
+    ap.add_argument("--host-only", action="store_true",
+                    help="measure only this host (when the data never described it), not the posed devices")
     ap.add_argument("--json", type=output_file, help="write the per-layer rows to this file")
     a = ap.parse_args(argv)
     layers = load_layers(Path(a.layers), [], a.per_kernel, [])
@@ -166,20 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     small = tuple(dataclasses.replace(c, size_bytes=256 << 10) if c.level == 2 else c for c in gw.caches if c.level < 3)
     rows += described_device("small-cache gateway", dataclasses.replace(gw, caches=small), layers, prop, known, a.k)
     if not a.no_measure:
-        rows += measured_device("x86-64 baseline", probe(isa_cap="x86-64", measure_bandwidth=False), layers, prop,
-                                known, a.k, a.rounds)
-        cpus = os.sched_getaffinity(0)
-        try:
-            os.sched_setaffinity(0, {min(cpus)})
-            rows += measured_device("1 core", probe(measure_bandwidth=False), layers, prop, known, a.k, a.rounds)
-        finally:
-            os.sched_setaffinity(0, cpus)
-        for dev in ("x86-64 baseline", "1 core"):
+        host = probe()
+        if is_unseen(host, known):
+            rows += measured_device("this host", host, layers, prop, known, a.k, a.rounds)
+        else:
+            print(f"this host ({host.cpu_model}, {host.isa}) is one the data describes: not measured as unseen")
+        if not a.host_only:
+            rows += measured_posed(layers, prop, known, a.k, a.rounds)
+        for dev in dict.fromkeys(r["device"] for r in rows if r["ratio"] is not None):
             rs = [r["ratio"] for r in rows if r["device"] == dev and r["ratio"]]
-            if rs:
-                gm = math.exp(statistics.fmean(math.log(x) for x in rs))
-                print(f"{dev}: own/nearest-known best-of-top-{a.k} geomean {gm:.3f}, worse by >5% on "
-                      f"{sum(x > 1.05 for x in rs)}/{len(rs)}, better by >5% on {sum(x < 0.95 for x in rs)}/{len(rs)}")
+            gm = math.exp(statistics.fmean(math.log(x) for x in rs))
+            print(f"{dev}: own/nearest-known best-of-top-{a.k} geomean {gm:.3f}, worse by >5% on "
+                  f"{sum(x > 1.05 for x in rs)}/{len(rs)}, better by >5% on {sum(x < 0.95 for x in rs)}/{len(rs)}")
     print(f"{time.time() - t0:.0f}s, load {os.getloadavg()[0]:.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=str))
