@@ -10,7 +10,11 @@ The checks, in order, each failing with its reason code (edgetune.release):
    at least one config, every proposal is valid, and proposing stays within the latency budget;
 3. unless told not to compare (a signed rollback only needs to load), on each workload the best measured
    config of its top-K is not worse than the current model's top-K: both top-Ks are measured in the same
-   interleaved rounds (tuner.evaluate, the one interleave protocol) and compared by their same-round ratio.
+   interleaved rounds (tuner.evaluate, the one interleave protocol) and compared by their same-round ratio. A
+   workload measured worse than the tolerance is measured again in fresh rounds, and fails only when the second
+   look agrees: one look per workload over a device's dozens of workloads let noise alone condemn a model (a
+   retrained model with 7 of 12 held-out layers in its top-5 against 3 was rolled back for one of 24 workloads at
+   1.067x).
 
 Protocol: one JSON request line on stdin; one JSON line on stdout: {"ok", "reason", "detail", "workloads",
 "better"} where `better` lists the workloads the candidate measured better on (the daemon retunes those).
@@ -110,6 +114,16 @@ def compare(new: list[dict], cur: list[dict], evaluator: Any, rounds: int, seed:
             "current_ms": median_time(cur_best)}
 
 
+def judge(new: list, cur: list, evaluator: Any, rounds: int, tolerance: float, target: str) -> dict:
+    """`compare` on one workload; a ratio over 1 + `tolerance` is measured again in fresh rounds, and the second
+    look decides (`first_ratio` keeps the first)."""
+    got = compare(new, cur, evaluator, rounds, seed=target)
+    first = got["ratio"]
+    if first is not None and first > 1 + tolerance:
+        got = compare(new, cur, evaluator, rounds, seed=f"{target} again")
+    return got | {"target": target, "first_ratio": first}
+
+
 def check(req: dict) -> dict:
     from hwprobe.descriptor import HwDescriptor
     from kernels.registry import get_spec
@@ -137,15 +151,15 @@ def check(req: dict) -> dict:
                 out.append({"target": target, "proposed": len(new_configs), "latency_ms": latency_ms})
                 continue
             ev = Measured(spec=spec, shape=w["shape"], hw=hw, runner=runner)
-            got = compare(new_configs, cur_configs, ev, req["rounds"], seed=target) | {"target": target,
-                                                                                      "latency_ms": latency_ms}
+            got = judge(new_configs, cur_configs, ev, req["rounds"], req["tolerance"], target) | {
+                "latency_ms": latency_ms}
             out.append(got)
             if got["ratio"] is None:
                 raise Unhealthy(rel.REGRESSION, f"{target}: none of the new model's top-{req['top_k']} ran")
             if got["ratio"] > 1 + req["tolerance"]:
                 raise Unhealthy(rel.REGRESSION, f"{target}: its measured top-{req['top_k']} is {got['ratio']:.3f}x "
-                                                f"the current model's (same rounds), over the 1+{req['tolerance']} "
-                                                "allowed")
+                                                f"the current model's (same rounds; {got['first_ratio']:.3f}x at "
+                                                f"the first look), over the 1+{req['tolerance']} allowed")
             if got["ratio"] < 1 - req["tolerance"]:
                 better.append(target)
     return {"ok": True, "reason": None, "detail": f"{len(out)} workload(s) checked", "workloads": out,
