@@ -26,8 +26,8 @@
   payload's fault), it stops acknowledging, raises the alarm (`alarm` holds the error, `counts["retry"]` counts
   the failures; the log says it once, reminds at most once a minute while it lasts and says when it is over:
   fleet.downlog), drops what is queued, reconnects after a backoff of at most DB_BACKOFF_MAX_S and gets the
-  unacknowledged messages again; the first write that works afterwards (a batch, or expiring commands) clears the
-  alarm.
+  unacknowledged messages again; the first write that works afterwards (a batch stored, or commands expired) clears
+  the alarm.
 - A malformed payload is logged, noted in the `malformed` table, acknowledged and skipped: it never stops the
   listener.
 - End-to-end delivery: after committing a tuning record or a final command response it publishes the protocol
@@ -294,8 +294,8 @@ class Listener(Handler):
         except DBError as e:
             self._db_failed(e, "expiring commands")
             return
-        self._db_works()
-        if n:
+        if n:  # only a write that changed rows proves the DB works: on a full disk a no-op UPDATE still commits
+            self._db_works()
             log.info("%d command(s) expired unanswered", n)
             self._count(expired=n)
 

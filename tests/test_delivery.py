@@ -111,7 +111,13 @@ def test_records_and_results_stay_on_the_device_until_the_fleet_committed_them(t
 
 # ---- 2: a fleet DB that cannot store stops acknowledging, alarms, and resumes ---------------------------------------
 
-def test_a_full_fleet_db_alarms_acknowledges_nothing_and_resumes_when_space_returns(tmp_path, mosquitto):
+def test_a_full_fleet_db_alarms_acknowledges_nothing_and_resumes_when_space_returns(tmp_path, mosquitto,
+                                                                                   monkeypatch, caplog):
+    import fleet.listener
+
+    # expiring commands every turn: on a full disk a no-op UPDATE still commits, which must not end the alarm
+    monkeypatch.setattr(fleet.listener, "EXPIRE_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="fleet.listener")
     with tmpfs(tmp_path / "fs") as fs:
         db = fs / "fleet.db"
         lst = listener(mosquitto, db)
@@ -123,8 +129,10 @@ def test_a_full_fleet_db_alarms_acknowledges_nothing_and_resumes_when_space_retu
                 bus.publish(dev.telemetry, encode({"seq": i, "boot_id": "b", "pad": "x" * 2000}))
             bus.publish(dev.record, encode({"record_id": "r1", "kernel": "gemm", "workload": "w", "started_at": 1.0,
                                             "measurements": [{"seq": i, "pad": "y" * 500} for i in range(50)]}))
-            assert lst.wait_for(lambda c: c["retry"] >= 2, T), dict(lst.counts)
+            assert lst.wait_for(lambda c: c["retry"] >= 4, T), dict(lst.counts)
             assert lst.alarm and "disk full" in lst.alarm
+            said = [r.getMessage() for r in caplog.records if r.name == "fleet.listener"]
+            assert [m for m in said if "stopped: the fleet DB" in m] and not [m for m in said if "resumed" in m], said
             assert bus.docs("/ack") == []  # nothing committed, nothing acknowledged to the device
             filler.unlink()
             assert lst.wait_for(lambda c: c["telemetry"] >= 30 and c["record"] >= 1, T), dict(lst.counts)
