@@ -9,9 +9,9 @@ the device's descriptor, once with the nearest known descriptor (same vector wid
 - Measured here: this host itself when the data never described it (another CPU model or other caches: a real
   unseen device; nearest known: the same ISA and vector width), and this host posing as the device: `x86-64` (the
   SSE2 baseline, an ISA level no data has; nearest known: x86-64-v2, also 128-bit) and `1 core` (this process and
-  its worker pinned to one CPU; the data's hosts have two). Both top-Ks are built for the device and measured side by side in shuffled rounds (`Evaluator.interleave`);
-  the ratio is the median over rounds of best-of-own-top-K over best-of-nearest-top-K (above 1: the unseen
-  descriptor made the proposals worse).
+  its worker pinned to one CPU; the data's hosts have two). Both top-Ks are built for the device and measured side
+  by side in shuffled rounds (`Evaluator.interleave`); the ratio is the median over rounds of best-of-own-top-K over
+  best-of-nearest-top-K (above 1: the unseen descriptor made the proposals worse).
 - Described only (no such CPU here): the ARM boards of tests/data/hwtrees and a small-cache gateway (an x86-64-v3
   host with 256 KiB L2 and no L3): every proposal valid for the device, the top-1 kept from the nearest known's,
   the top-K overlap, the proposal's CPU time (its latency on an idle core: llama.cpp runs on the calling thread).
