@@ -7,11 +7,12 @@ the same moment never reads half of it. The daemon consumes it once the retune i
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from edgetune import paths
+from edgetune.atomic import write_atomic
+from edgetune.errors import EdgetuneError
 
 SOURCES = ("mender", "rauc", "swupdate")
 
@@ -21,13 +22,15 @@ def marker_path() -> Path:
 
 
 def write_marker(source: str) -> Path:
+    """Leave the marker for the daemon's next start. A state dir that cannot take it (a full disk) is an
+    EdgetuneError naming the file and the fix: the update hook must hear that no retune was queued."""
     p = marker_path()
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"source": source, "ts": time.time()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    try:
+        write_atomic(p, json.dumps({"source": source, "ts": time.time()}).encode(), mode=0o644)
+    except OSError as e:
+        raise EdgetuneError(f"cannot leave the firmware-changed marker {p} for the daemon ({e.strerror}): free "
+                            "space there, or start the daemon, then run `edgetune notify firmware-changed` "
+                            "again") from e
     return p
 
 

@@ -176,6 +176,21 @@ def test_an_error_from_a_running_daemon_is_not_called_daemon_down(tmp_path):
             d.stop()
 
 
+def test_notify_with_the_daemon_down_and_a_full_state_dir_says_so(tmp_path):
+    """The update hook must hear that no retune was queued: a clear error naming the marker, exit 1, no traceback
+    and no temp file left behind (it ended in a traceback from the marker's write)."""
+    from tests.test_delivery import fill, tmpfs
+
+    with tmpfs(tmp_path / "fs") as fs:
+        fill(fs)
+        d = DaemonProc(daemon_config(tmp_path, None), env={**os.environ, "STATE_DIRECTORY": str(fs)})
+        r = d.cli("notify", "firmware-changed", "--source", "mender", "--json")
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"cannot leave the firmware-changed marker {fs / 'firmware-changed'}" in said and "free space" in said
+        assert sorted(os.listdir(fs)) == ["filler"]
+
+
 def test_no_broker_still_tunes(tmp_path):
     d = DaemonProc(daemon_config(tmp_path, None)).start()
     try:
