@@ -103,6 +103,42 @@ ProgressFn = Callable[[int, int, str], None]  # (evals done, eval budget, messag
 EvaluatorFactory = Callable[[KernelSpec, Workload, Objective], Evaluator]
 
 
+@dataclass
+class _Search:
+    """One session's search in progress: where it measures, what it measured, and the best so far."""
+
+    strat: Strategy
+    ev: Evaluator
+    space: SearchSpace
+    session_id: int
+    journal: dict  # seq -> journaled measurement, replayed on a resume
+    objective: Objective
+    evals: list[tuple[Config, Measurement]] = field(default_factory=list)
+    best_ms: float = float("inf")
+    since_best: int = 0  # evals since the best improved by more than a tie
+    relearned: bool = False  # an energy run that fell back to latency has been rescored
+
+    def add(self, cfg: Config, m: Measurement) -> None:
+        self.evals.append((cfg, m))
+        if m.ok and m.value < self.best_ms * (1 - TIE_THRESHOLD):
+            self.best_ms, self.since_best = m.value, 0
+        else:
+            self.since_best += 1
+        self.best_ms = min(self.best_ms, m.value) if m.ok else self.best_ms
+
+    def relearn(self, measured: list[tuple[Config, Measurement]], remake: Callable[[], Strategy] | None) -> None:
+        """An energy run fell back to latency: rescore everything in ms, and re-teach a fresh strategy (when the
+        caller did not hand in its own) what was measured so far."""
+        self.relearned = True
+        for _, m in self.evals + measured:
+            m.score = m.ms if m.ok else None
+        self.best_ms = min((m.ms for _, m in self.evals if m.ok), default=float("inf"))
+        if remake is not None:
+            self.strat = remake()
+            for c, m in self.evals:
+                self.strat.tell(c, m)
+
+
 class Session:
     """Tunes on `evaluators(spec, workload, objective)`: by default real builds and the worker (`Measured`);
     a `Replay` over a recorded table runs the same logic without a compiler."""
@@ -151,53 +187,47 @@ class Session:
             journal = {m["seq"]: m for m in self.db.measurements(sess.id, "search")}
             t0 = time.monotonic() - (self._elapsed(journal))
             self.timing = {"strategy_s": 0.0}
-            evals: list[tuple[Config, Measurement]] = []
-            batch = batch or max(1, self.hw.cores)
-            best_ms, since_best = float("inf"), 0
-            relearned = objective.fallback_reason is not None
-            self.converged_at = None
-            while len(evals) < budget.evals:
-                if self.converged_at is None and evals and strat.converged():
-                    self.converged_at = len(evals)
-                if budget.until_converged and self.converged_at is not None:
-                    break
-                if budget.seconds is not None and time.monotonic() - t0 >= budget.seconds:
-                    break
-                if budget.patience is not None and since_best >= budget.patience:
-                    break
-                # a strategy may return more than asked (llm: its top-K as one batch); never beyond the budget
-                with self._timed("strategy_s"):
-                    asked = strat.ask(min(batch, budget.evals - len(evals)))[: budget.evals - len(evals)]
-                if not asked:
-                    break
-                # the first batch also builds the default, which the finals always re-measure: one compile round fewer
-                prebuild = [] if evals else [space.valid_default()]
-                measured = self._measure_batch(ev, sess.id, len(evals), asked, journal, objective, prebuild)
-                if objective.fallback_reason and not relearned:
-                    # an energy run fell back to latency: rescore everything, re-teach a fresh strategy in ms
-                    relearned = True
-                    for _, m in evals + measured:
-                        m.score = m.ms if m.ok else None
-                    best_ms = min((m.ms for _, m in evals if m.ok), default=float("inf"))
-                    if strategy_obj is None:
-                        strat = make_strategy(strategy, space, seed, kernel=spec)
-                        for c, m in evals:
-                            strat.tell(c, m)
-                for cfg, m in measured:
-                    with self._timed("strategy_s"):
-                        strat.tell(cfg, m)
-                    evals.append((cfg, m))
-                    if m.ok and m.value < best_ms * (1 - TIE_THRESHOLD):
-                        best_ms, since_best = m.value, 0
-                    else:
-                        since_best += 1
-                    best_ms = min(best_ms, m.value) if m.ok else best_ms
-                    if progress:
-                        unit = "ms" if objective.active == "latency" else objective.active
-                        progress(len(evals), budget.evals, f"{spec.name}/{wl.name} best {best_ms:.4g} {unit}")
-            result = self._finish(ev, spec, wl, space, strat, sess.id, key, evals, t0, objective)
+            search = _Search(strat, ev, space, sess.id, journal, objective,
+                             relearned=objective.fallback_reason is not None)
+            remake = None if strategy_obj else (lambda: make_strategy(strategy, space, seed, kernel=spec))
+            self._search(search, budget, t0, batch or max(1, self.hw.cores), f"{spec.name}/{wl.name}", progress,
+                         remake)
+            result = self._finish(ev, spec, wl, space, search.strat, sess.id, key, search.evals, t0, objective)
             prune_builds()  # after the finals: this session's builds are the most recently used
             return result
+
+    def _search(self, s: _Search, budget: Budget, t0: float, batch: int, label: str, progress: ProgressFn | None,
+                remake: Callable[[], Strategy] | None) -> None:
+        """Ask, measure (or replay from the journal), tell, until the budget, the patience or convergence ends it.
+        `remake`: a fresh strategy, for an energy run that falls back to latency (None: the caller's own object)."""
+        self.converged_at = None
+        while len(s.evals) < budget.evals:
+            if self.converged_at is None and s.evals and s.strat.converged():
+                self.converged_at = len(s.evals)
+            if budget.until_converged and self.converged_at is not None:
+                break
+            if budget.seconds is not None and time.monotonic() - t0 >= budget.seconds:
+                break
+            if budget.patience is not None and s.since_best >= budget.patience:
+                break
+            # a strategy may return more than asked (llm: its top-K as one batch); never beyond the budget
+            left = budget.evals - len(s.evals)
+            with self._timed("strategy_s"):
+                asked = s.strat.ask(min(batch, left))[:left]
+            if not asked:
+                break
+            # the first batch also builds the default, which the finals always re-measure: one compile round fewer
+            prebuild = [] if s.evals else [s.space.valid_default()]
+            measured = self._measure_batch(s.ev, s.session_id, len(s.evals), asked, s.journal, s.objective, prebuild)
+            if s.objective.fallback_reason and not s.relearned:
+                s.relearn(measured, remake)
+            for cfg, m in measured:
+                with self._timed("strategy_s"):
+                    s.strat.tell(cfg, m)
+                s.add(cfg, m)
+                if progress:
+                    unit = "ms" if s.objective.active == "latency" else s.objective.active
+                    progress(len(s.evals), budget.evals, f"{label} best {s.best_ms:.4g} {unit}")
 
     def _session(self, spec: KernelSpec, wl: Workload, rkey: ResultKey, params: dict, origin: str) -> SessionRow:
         """The unfinished session with this key and params, to resume, or a new one (which supersedes the rest)."""
