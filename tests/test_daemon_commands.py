@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
+from edgetune.protocol import OPEN_STATES
 from tests.broker import Mosquitto
 from tests.test_daemon_support import Bus, DaemonProc, daemon_config, env_for
 
@@ -59,8 +60,9 @@ def test_retune_round_trip_with_progress(rig):
     assert done["status"] == "succeeded", done
     seen = statuses(bus, "rt-1")
     order = [s["status"] for s in seen]
-    assert order[0] == "accepted" and order[-1] == "succeeded" and "in_progress" in order
-    assert set(order) == {"accepted", "in_progress", "succeeded"}
+    # an open status is replaceable (docs/protocol.md): a progress tick may supersede an `accepted` not yet sent
+    assert order[-1] == "succeeded" and "in_progress" in order and order.count("succeeded") == 1
+    assert order[:-1] == sorted(order[:-1], key=OPEN_STATES.index), order
     prog = [s["progress"] for s in seen if s["status"] == "in_progress"]
     assert prog == sorted(prog) and all(0 <= p <= 1 for p in prog)
     assert all(s["origin"] == "fleet" and s["op"] == "retune" for s in seen)
@@ -91,7 +93,7 @@ def test_duplicate_while_running_reports_current_state(rig):
     bus.on("/cmd/res/dup-run", lambda c: c["status"] == "succeeded", 60)
     barrier(bus, "dup-run-barrier")
     order = [s["status"] for s in statuses(bus, "dup-run")]
-    assert order.count("accepted") == 1 and order.count("succeeded") == 1
+    assert order.count("accepted") <= 1 and order.count("succeeded") == 1  # started once (accepted may be superseded)
 
 
 def test_expired_unknown_and_invalid_are_rejected_with_reasons(rig):
