@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import os
 import subprocess
 import sys
@@ -174,17 +175,19 @@ def test_each_always_hedged_knob_keeps_its_own_slot(hw):
     assert len({config_key(c) for c in both}) == DEFAULT_K
 
 
-@pytest.mark.parametrize("kernel,workload", [("gru", "rnnoise.gru"), ("conv2d_3x3", "mobilenetv2.stem")])
-def test_first_batch_holds_two_vector_widths_and_gru_splits_by_default(kernel, workload, hw):
-    """A sure model can be 2x wrong on the vector width or gru's parallel split: the default first batch holds two
-    values of each knob of ALWAYS_HEDGE that the space has."""
+@pytest.mark.parametrize("kernel,workload", [("gru", "rnnoise.gru"), ("conv2d_3x3", "mobilenetv2.stem"),
+                                             ("dwconv_3x3", "mobilenetv2.b2.dw"), ("logmel", "kws.logmel")])
+def test_first_batch_holds_two_values_of_each_always_hedged_knob(kernel, workload, hw):
+    """A sure model can be far wrong on the vector width, gru's parallel split or the register tile's width: the
+    default first batch holds two values of each knob of ALWAYS_HEDGE that the space has."""
     spec = get_spec(kernel)
     space = spec.space(spec.workload(workload).shape, hw)
     first = LLMStrategy(space, 0, kernel=spec).ask(DEFAULT_K)
     assert len({config_key(c) for c in first}) == len(first) == DEFAULT_K
-    for knob in ("vec", "par"):
-        if knob in space.names:
-            assert len({c[knob] for c in first}) >= 2, (knob, first)
+    hedged_here = [knob for knob in ALWAYS_HEDGE if knob in space.names]
+    assert hedged_here, space.names
+    for knob in hedged_here:
+        assert len({c[knob] for c in first}) >= 2, (knob, first)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random-bytes", "missing"])
@@ -305,3 +308,22 @@ def test_the_tune_table_and_report_say_when_llm_fell_back_to_anneal(tmp_path):
     assert "fell back to anneal" in " ".join(p.stdout.split()), p.stdout
     (row,) = json.loads(cli("report", "--json").stdout)
     assert row["strategy"] == "llm" and row["strategy_version"].endswith("-anneal-fallback")
+
+
+def test_a_hedge_gives_up_a_near_duplicate_rather_than_a_diverse_pick(hw):
+    """The config an always-hedged knob's swap costs is the one nearest another config of the batch (a
+    near-duplicate of the top pick tells little), so the diverse picks stay, the last one included."""
+    space = GEMM.space(GEMM.workload("mobilenetv2.b2.expand").shape, hw)
+    s = LLMStrategy(space, 0, kernel=GEMM, always_hedge=("vec",))
+    top = s._propose(1)[0][0]
+    twin = next(c for c in space.neighbours(top) if c["vec"] == top["vec"])
+    far: list = []
+    for c in space.sample(400, random.Random(1)):
+        if c["vec"] == top["vec"] and all(space.distance(c, o) >= 4 for o in [top, twin, *far]):
+            far.append(c)
+        if len(far) == 2:
+            break
+    batch = [top, far[0], twin, far[1]]
+    out = s._always_hedged(batch)
+    assert out[0] == top and len(out) == 4 and len({c["vec"] for c in out}) == 2, out
+    assert [c for c in batch if c not in out] == [twin]

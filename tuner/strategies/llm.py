@@ -5,8 +5,9 @@
    which order neighbours inside the region the model picked better than the model does). Then the
    knobs whose probability mass is split (thread count, vector width, tile shape: whichever the model doubts for
    this prompt) each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the
-   vector width and gru's parallel split are hedged however sure the model is, since there a model can be sure and
-   wrong by 2x (ALWAYS_HEDGE).
+   vector width, gru's parallel split and the register tile's width are hedged however sure the model is, since
+   there a model can be sure and wrong by 1.2-2x (ALWAYS_HEDGE). Such a hedge costs the config nearest another one
+   of the batch (a near-duplicate tells least), not a diverse pick.
 2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
    relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
    a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
@@ -46,18 +47,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FALLBACK_SUFFIX = "-anneal-fallback"  # on the version of a session that ran anneal for want of a usable model
-STRATEGY_VERSION = "7"  # bumped when the first batch or the steering changes: results are keyed by it
+STRATEGY_VERSION = "8"  # bumped when the first batch or the steering changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
 UNSURE = 0.85  # a knob whose leading value holds under this share of the top configs' mass is hedged
 # knobs hedged however sure the model is (each where the space has it): vector width and gru's parallel split are
 # where a model was confidently wrong by 2x on held-out real layers (a Cout-16 conv: all five vec=4, best vec=16; an
-# RNNoise GRU: all five par=units, best gemm). The thread count is hedged only where the model is unsure: once the
-# measuring worker stopped sharing its cores with idle BLAS threads (kernels.worker.ONE_BLAS_THREAD), a sure
-# model's threads=2 held up, and the slot it freed did better (35 real layers, two seeds: @5 within 5% 77-80% vs
-# 71-74% with threads hedged too)
-ALWAYS_HEDGE = ("vec", "par")
+# RNNoise GRU: all five par=units, best gemm). The register tile's width (nv: gemm and the convs' vectors per row
+# tile; cv: dwconv's channel vectors; fv: logmel's frame vectors) is where a model trained on one host was sure and
+# wrong on another (all five nv=1 or cv=1, best 2-4). On 35 real layers of that unseen host (an Intel Xeon), side by
+# side with the hedge of vec and par alone: @5 geomean 1.087-1.114 vs 1.098-1.117 in four seeds with the last config
+# given up, and 1.079-1.099 vs 1.098-1.116 (@20 1.028-1.058 vs 1.057-1.076) in two with the nearest one given up.
+# The thread count is hedged only where the model is unsure: once the measuring worker stopped sharing its cores
+# with idle BLAS threads (kernels.worker.ONE_BLAS_THREAD), a sure model's threads=2 held up, and the slot it freed
+# did better (35 real layers, two seeds: @5 within 5% 77-80% vs 71-74% with threads hedged too)
+ALWAYS_HEDGE = ("vec", "par", "nv", "cv", "fv")
 HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top-15 costs 10 ms CPU p50, 22 p95 on
 #                 the 35 real held-out layers at idle (top-10: 10 / 17; top-5: 9 / 14), and sets the p95 of a
 #                 budget-10 session's calls (20 ms at load 1-2); a pool of 2 was within 5% on fewer layers at
@@ -251,9 +256,11 @@ class LLMStrategy(Strategy):
         return [ranked[i] for i in sorted(range(len(ranked)), key=lambda i: pred[i])]
 
     def _always_hedged(self, batch: list[Config]) -> list[Config]:
-        """The batch, with its last configs swapped (one per knob, from the end) for the model's best one holding
-        another value of each always-hedged knob that the batch lacks (when the constraints allow one)."""
-        slot = len(batch) - 1  # the next config to give up; the model's top pick is kept
+        """The batch, with a config swapped (one per knob) for the model's best one holding another value of each
+        always-hedged knob that the batch lacks (when the constraints allow one). The model's top pick and the
+        hedges stay; the one given up is the one nearest another config of the batch (the later one on a tie): a
+        near-duplicate of a kept config tells least, while a diverse pick may hold the region the model missed."""
+        fixed = {0}
         for name in self.always_hedge:
             if not batch or name not in self.space.names or len({c[name] for c in batch}) > 1:
                 continue
@@ -262,11 +269,15 @@ class LLMStrategy(Strategy):
                 config_key(c) for c in batch})
             if not alt:
                 continue
-            if slot >= 1:
+            free = [i for i in range(len(batch)) if i not in fixed]
+            if free:
+                slot = min(free, key=lambda i: (min(self.space.distance(batch[i], c)
+                                                    for j, c in enumerate(batch) if j != i), -i))
                 batch = batch[:slot] + [alt[0][0]] + batch[slot + 1:]
-                slot -= 1
             else:
+                slot = len(batch)
                 batch = batch + [alt[0][0]]
+            fixed.add(slot)
         return batch
 
     def _local(self) -> Config | None:
