@@ -8,6 +8,9 @@ import signal
 import socket
 import sqlite3
 import stat
+import subprocess
+
+import pytest
 
 from edgetune.protocol import parse_topic
 from tests.test_daemon_support import Bus, DaemonProc, daemon_config, retained
@@ -189,6 +192,24 @@ def test_notify_with_the_daemon_down_and_a_full_state_dir_says_so(tmp_path):
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert f"cannot leave the firmware-changed marker {fs / 'firmware-changed'}" in said and "free space" in said
         assert sorted(os.listdir(fs)) == ["filler"]
+
+
+def test_notify_on_a_read_only_state_dir_names_that_fix_not_free_space(tmp_path):
+    """A state directory on a read-only filesystem cannot take the marker either: the error names that cause and
+    its fix (another STATE_DIRECTORY), not "free space"."""
+    from tests.test_delivery import tmpfs
+
+    with tmpfs(tmp_path / "fs") as fs:
+        r = subprocess.run(["mount", "-o", "remount,ro", str(fs)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot remount a tmpfs read-only here: {r.stderr.strip()}")
+        d = DaemonProc(daemon_config(tmp_path, None), env={**os.environ, "STATE_DIRECTORY": str(fs)})
+        r = d.cli("notify", "firmware-changed", "--source", "mender", "--json")
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"cannot leave the firmware-changed marker {fs / 'firmware-changed'}" in said, said
+        assert "read-only" in said and "set STATE_DIRECTORY to a writable directory" in said, said
+        assert "free space" not in said and os.listdir(fs) == []
 
 
 def test_no_broker_still_tunes(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -327,3 +327,4 @@ def test_a_hedge_gives_up_a_near_duplicate_rather_than_a_diverse_pick(hw):
     out = s._always_hedged(batch)
     assert out[0] == top and len(out) == 4 and len({c["vec"] for c in out}) == 2, out
     assert [c for c in batch if c not in out] == [twin]
+

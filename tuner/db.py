@@ -132,13 +132,12 @@ class ResultsDB(Store):
             c.execute("UPDATE sessions SET state=?, finished_at=?, result_json=? WHERE id=?",
                       (state, time.time(), json.dumps(result), session_id))
 
-    def fail_session(self, session_id: int, reason: str) -> bool:
+    def fail_session(self, session_id: int, reason: str) -> None:
         """Record a session that ended by an error as `failed` with `reason`, unless it already recorded its own
-        end (done, or failed with its own result). Returns whether it was still running."""
+        end (done, or failed with its own result)."""
         with self.tx() as c:
-            cur = c.execute("UPDATE sessions SET state='failed', finished_at=?, result_json=? WHERE id=? "
-                            "AND state='running'", (time.time(), json.dumps({"reason": reason}), session_id))
-            return cur.rowcount > 0
+            c.execute("UPDATE sessions SET state='failed', finished_at=?, result_json=? WHERE id=? AND state='running'",
+                      (time.time(), json.dumps({"reason": reason}), session_id))
 
     def interrupt_running(self, kernel: str, workload: str, except_id: int) -> int:
         """Close the other unfinished sessions of this kernel/workload as `interrupted`: a new session supersedes
