@@ -327,4 +327,3 @@ def test_a_hedge_gives_up_a_near_duplicate_rather_than_a_diverse_pick(hw):
     out = s._always_hedged(batch)
     assert out[0] == top and len(out) == 4 and len({c["vec"] for c in out}) == 2, out
     assert [c for c in batch if c not in out] == [twin]
-
