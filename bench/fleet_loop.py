@@ -58,6 +58,7 @@ from kernels.spec import KernelSpec, Workload  # noqa: E402
 from tests.broker import Mosquitto  # noqa: E402
 from tests.fleet_server import FleetServer  # noqa: E402
 from tests.test_daemon_support import DaemonProc, daemon_config, env_for  # noqa: E402
+from tuner.evaluate import Evaluator  # noqa: E402
 from tuner.train import data as D  # noqa: E402
 
 WITHIN = 1.05
@@ -271,7 +272,8 @@ def compare(models: dict[str, Path], layers: list[Layer], depth: int, rounds: in
                      for n, prop in proposers.items()}
             ratios, control, ref_ms = CT.measure_lists(runner, L.spec, L.wl.shape, L.ref, L.hw, lists, rounds,
                                                        seed=i)
-            improve_reference(L, lists, ratios, refs_path)
+            improve_reference(CT.measured(runner, L.spec, L.wl.shape, L.hw), L, lists, ratios, refs_path, rounds,
+                              seed=f"{i}:confirm")
             rows.append({"kernel": L.spec.name, "isa": L.isa, "workload": L.wl.name, "ref_ms": ref_ms,
                          "ratios": ratios, "control": control, "lists": lists, "load1": os.getloadavg()[0]})
             print(f"  [{i + 1}/{len(layers)}] {L.spec.name} {L.isa} {L.wl.name}: " + "  ".join(
@@ -280,16 +282,20 @@ def compare(models: dict[str, Path], layers: list[Layer], depth: int, rounds: in
     return rows
 
 
-def improve_reference(L: Layer, lists: dict[str, list[Config]], ratios: dict[str, list[float | None]],
-                      refs_path: Path) -> None:
-    """A proposal measured clearly faster than the reference becomes the reference of later runs."""
+def improve_reference(ev: Evaluator, L: Layer, lists: dict[str, list[Config]], ratios: dict[str, list[float | None]],
+                      refs_path: Path, rounds: int, seed: int | str) -> None:
+    """A proposal measured faster than the reference, and confirmed so in rounds of its own against it
+    (`tuners_real.confirmed_ratio`: the fastest of many proposals is partly luck), becomes the reference of later
+    runs."""
     got = [(r, c) for n in lists for c, r in zip(lists[n], ratios[n]) if r]
     if got:
         best, cfg = min(got, key=lambda rc: rc[0])
         refs = load_refs(refs_path)
         key = TR.ref_key(L.hw, L.spec, L.wl)
-        if key in refs and best < 1 - TIE_THRESHOLD:
-            TR.improve_reference(refs, key, {"best_over_ref": best, "best": cfg}, refs_path)
+        faster = TR.confirmed_ratio(ev, L.ref, cfg, rounds, seed) if key in refs and best < 1 - TIE_THRESHOLD \
+            else None
+        if faster:
+            TR.improve_reference(refs, key, {"best_over_ref": faster, "best": cfg}, refs_path)
 
 
 def figures(rows: list[dict], models: list[str], depth: int) -> dict[str, dict]:

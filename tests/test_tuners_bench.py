@@ -30,12 +30,14 @@ def test_real_layer_comparison_end_to_end(tmp_path):
     assert [r["workload"] for r in doc["layers"]] == ["ds_cnn_m.dw2", "rnnoise.vad_gru"]
     names = ["llm", "llm:k=3,history=0", "anneal", "optuna-tpe", "kerneltuner-random_sample"]
     for layer in doc["layers"]:
-        assert list(layer["runs"]) == names and layer["control"] > 0 and layer["best_over_ref"] <= 1.0
+        assert list(layer["runs"]) == names and layer["control"] > 0 and layer["lead_over_ref"] > 0
+        # the best known is the reference unless a lead over it held in rounds of its own, beyond the noise
+        assert (layer["best"] == layer["reference"]) == (layer["best_over_ref"] == 1.0)
+        assert layer["best_over_ref"] == 1.0 or layer["best_over_ref"] < 0.97
         for name, run in layer["runs"].items():
             assert 1 <= run["evals"] <= 5 and len(run["traj"]) == run["evals"], name
             q = run["quality"]["5"]
-            assert q is None or q >= 1.0  # judged against the best measured in the same rounds
-            assert run["final_quality"] is None or run["final_quality"] >= 1.0
+            assert q is None or q > 0  # over the best known: a lucky measurement may read below 1
         assert layer["runs"]["llm"]["calls"]  # the model's proposal calls were timed
     refs = json.loads((tmp_path / "refs.json").read_text())
     assert len(refs) == 2 and all(r["config"] for r in refs.values())
@@ -64,3 +66,21 @@ def test_strategy_settings_on_the_command_line(hw):
         assert TR.strategy_obj(f"llm:always_hedge={setting}", gemm, space, 0, 5).always_hedge == want
     s = TR.strategy_obj("llm:k=3,hedge_pool=2", gemm, space, 0, 5)
     assert (s.k, s.hedge_pool) == (3, 2)
+
+
+def test_a_lead_over_the_reference_must_hold_in_rounds_of_its_own(hw):
+    """`confirmed_ratio` on a recorded table: a challenger faster beyond the 3% noise threshold is confirmed with its
+    ratio; one within the threshold, or slower, is not."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import tuners_real as TR
+
+    from kernels.registry import get_spec
+    from kernels.space import config_key
+    from tuner.evaluate import Replay
+
+    space = get_spec("gemm").space({"M": 1, "N": 12, "K": 64}, hw)
+    ref, fast, near, slow = [c for c, _ in zip(space.enumerate(), range(4))]
+    ev = Replay.of_ms(space, dict(zip(map(config_key, (ref, fast, near, slow)), (2.0, 1.0, 1.95, 3.0))))
+    assert TR.confirmed_ratio(ev, ref, fast, 2) == 0.5
+    assert TR.confirmed_ratio(ev, ref, near, 2) is None  # 2.5% faster: inside the noise threshold
+    assert TR.confirmed_ratio(ev, ref, slow, 2) is None
