@@ -187,7 +187,7 @@ class Commands:
 
     def _record(self, cid: str, op: str | None, args: dict | None, origin: str, status: str, reason: str | None,
                 note: str | None = None) -> bool:
-        doc = self._doc(cid, op, origin, status, 0.0 if status == "accepted" else None, reason, None, note)
+        doc = self._doc(cid, op, origin, status, 0.0 if status == "accepted" else None, reason, None, note=note)
         if not self.journal.insert(cid, op, args, origin, doc):
             return False
         self._emit(cid, doc)
@@ -195,9 +195,11 @@ class Commands:
 
     @staticmethod
     def _doc(cid: str, op: str | None, origin: str, status: str, progress: float | None, reason: str | None,
-             result: Any, message: str | None = None) -> dict:
+             result: Any, message: str | None = None, note: str | None = None) -> dict:
+        """`note`: why the device started a command of its own (e.g. a firmware change), on every state, since the
+        outbox may replace a state that is not final with the next one before it is sent."""
         return {"id": cid, "op": op, "origin": origin, "status": status, "progress": progress, "reason": reason,
-                "result": result, "message": message, "ts": time.time()}
+                "result": result, "message": message, "note": note, "ts": time.time()}
 
     def update(self, cmd_id: str, status: str, *, progress: float | None = None, reason: str | None = None,
                result: Any = None, message: str | None = None) -> None:
@@ -207,7 +209,7 @@ class Commands:
         if status in TERMINAL:
             progress = 1.0 if status == "succeeded" else prev.get("progress")
         doc = self._doc(cmd_id, prev.get("op"), prev.get("origin", "fleet"), status, progress, reason, result,
-                        message)
+                        message, prev.get("note"))
         self.journal.update(cmd_id, doc)
         self._emit(cmd_id, doc)
 

@@ -112,7 +112,7 @@ TELEMETRY = TopicSpec("telemetry", DEVICE_TO_FLEET, False,
                        "state"))
 CMD_REQ = TopicSpec("cmd/req", FLEET_TO_DEVICE, False, ("id", "op", "args", "expires_at"))
 CMD_RES = TopicSpec("cmd/res/{id}", DEVICE_TO_FLEET, False,
-                    ("id", "op", "origin", "status", "progress", "reason", "result", "message", "ts",
+                    ("id", "op", "origin", "status", "progress", "reason", "result", "message", "note", "ts",
                      "request_sha256"))
 # end-to-end delivery: a fleet receiver publishes this after its DB committed a tuning record or a final command
 # response; the device keeps those in its outbox until then (the broker's PUBACK only means the broker has them)

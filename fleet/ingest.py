@@ -22,7 +22,7 @@ from edgetune import protocol as wire
 from edgetune.protocol import CMD_RES, COMMAND_STATES, STATUS_STATES, TERMINAL_STATES, ProtocolError
 from edgetune.sqlite import DBError
 from fleet import rollout_store
-from fleet.store import FleetStore, Sample
+from fleet.store import FleetStore, Sample, Started
 
 log = logging.getLogger("fleet.ingest")
 
@@ -293,8 +293,9 @@ def _cmd_res(device: str, sub: str, payload: bytes, retained: bool, now: float) 
         log.warning("cmd/res/%s from %s carries id %r; the topic wins", cid, device, obj.get("id"))
 
     def write(store: FleetStore) -> Outcome:
+        started = Started(_text(obj.get("op"), 50), _text(obj.get("origin"), 50), _text(obj.get("note"), 500))
         store.put_response(device, cid, status, obj.get("progress"), _text(obj.get("reason"), 2000),
-                           obj.get("result"), now)
+                           obj.get("result"), now, started)
         return Outcome("cmd_res", device, status, ack=wire.result_ack_key(cid) if status in TERMINAL_STATES else None)
     return write
 

@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, ContextManager, Iterator, Mapping, NamedTuple, Sequence
 
 from edgetune import paths
 from edgetune.protocol import EXPIRED, TERMINAL_STATES
@@ -169,6 +169,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE rollouts ADD COLUMN report_timeout_s REAL NOT NULL DEFAULT 3600
     """,
+    # v5: who started a command (cmd/res `origin`) and, for a device's own, why (`note`)
+    """
+    ALTER TABLE commands ADD COLUMN origin TEXT;
+    ALTER TABLE commands ADD COLUMN note TEXT
+    """,
 ]
 FIX = "move it aside (rename it) or pass --db with another path"
 PRUNE_BATCH = 5000  # telemetry rows deleted per transaction, so a prune never holds the writers up for long
@@ -190,6 +195,13 @@ BATCH_TOUCH_SQL = TOUCH_SQL + (
 SUMMARY_FIELDS = ("id", "state", "session", "version", "last_seen", "state_changed_at", "first_seen", "cpu_model",
                   "arch", "isa", "vector_bits", "cores", "hw_fingerprint", "fw_fingerprint", "model_version")
 TELEMETRY_FIELDS = ("boot_id", "seq", "ts", "cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss", "state")
+
+
+class Started(NamedTuple):
+    """Who started a command and why, as its cmd/res says (all None when it does not)."""
+    op: str | None = None
+    origin: str | None = None
+    note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -378,21 +390,24 @@ class FleetStore(Store):
                       (device, cmd_id, op, _dumps(args), expires_at, now, now))
 
     def put_response(self, device: str, cmd_id: str, status: str, progress: Any, reason: str | None, result: Any,
-                     now: float) -> None:
-        """Log a response; the command's status follows it, except that a final status is never undone."""
+                     now: float, started: Started = Started()) -> None:
+        """Log a response; the command's status follows it, except that a final status is never undone. What
+        `started` says fills the command's op, origin and note where they are unknown (a device's own command has
+        no cmd/req to tell them)."""
         with self.device_write(device, now, now) as c:
             c.execute("INSERT INTO command_responses (device_id, command_id, status, progress_json, reason,"
                       " result_json, received_at) VALUES (?,?,?,?,?,?,?)",
                       (device, cmd_id, status, _dumps(progress), reason, _dumps(result), now))
             row = c.execute("SELECT status FROM commands WHERE device_id=? AND id=?", (device, cmd_id)).fetchone()
             if row is None:
-                c.execute("INSERT INTO commands (device_id, id, status, progress_json, reason, result_json, updated_at)"
-                          " VALUES (?,?,?,?,?,?,?)",
-                          (device, cmd_id, status, _dumps(progress), reason, _dumps(result), now))
+                c.execute("INSERT INTO commands (device_id, id, status, progress_json, reason, result_json,"
+                          " updated_at, op, origin, note) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                          (device, cmd_id, status, _dumps(progress), reason, _dumps(result), now, *started))
             elif not (row["status"] in TERMINAL_STATES and status not in TERMINAL_STATES):
-                c.execute("UPDATE commands SET status=?, progress_json=?, reason=?, result_json=?, updated_at=?"
+                c.execute("UPDATE commands SET status=?, progress_json=?, reason=?, result_json=?, updated_at=?,"
+                          " op=coalesce(op, ?), origin=coalesce(origin, ?), note=coalesce(note, ?)"
                           " WHERE device_id=? AND id=?",
-                          (status, _dumps(progress), reason, _dumps(result), now, device, cmd_id))
+                          (status, _dumps(progress), reason, _dumps(result), now, *started, device, cmd_id))
 
     def put_malformed(self, device: str | None, topic: str, error: str, payload: bytes, now: float) -> None:
         # the log must take whatever arrived: PostgreSQL text cannot hold NUL, so it is spelled out

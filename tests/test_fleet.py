@@ -4,6 +4,7 @@ own end-to-end test lives with the daemon."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,7 +28,8 @@ from fleet.ingest import ingest, record_uid
 from fleet.listener import Listener
 from edgetune.broker import BrokerSettings
 from fleet.mqtt import parse_broker
-from fleet.store import FleetStore, geomean, open_fleet_store
+from fleet.db import is_postgres
+from fleet.store import FleetStore, PgFleetStore, geomean, open_fleet_store
 
 REPO = Path(__file__).resolve().parent.parent
 DEV = "dev-1"
@@ -549,9 +551,43 @@ def test_status_history_dedupes_retained_redelivery_and_final_responses_stick(db
         assert s.devices()[0]["tuned_workloads"] == 0
 
 
+def test_who_started_a_command_and_why_come_from_its_responses(db):
+    with open_fleet_store(db) as s:
+        own = f"edgetune/v1/{DEV}/cmd/res/firmware-hook-1"  # the device's own: no cmd/req tells op or origin
+        ingest(s, own, json.dumps({"id": "firmware-hook-1", "op": "retune", "origin": "firmware-hook",
+                                   "status": "succeeded", "note": "firmware changed (rauc)"}).encode())
+        c = s.command(DEV, "firmware-hook-1")
+        assert (c["op"], c["origin"], c["note"], c["status"]) == ("retune", "firmware-hook", "firmware changed (rauc)",
+                                                                  "succeeded")
+        ingest(s, f"edgetune/v1/{DEV}/cmd/req", json.dumps({"id": "f1", "op": "probe", "args": {}}).encode())
+        ingest(s, f"edgetune/v1/{DEV}/cmd/res/f1", json.dumps({"id": "f1", "op": "ping", "origin": "fleet",
+                                                               "status": "accepted", "note": None}).encode())
+        c = s.command(DEV, "f1")
+        assert (c["op"], c["origin"], c["note"]) == ("probe", "fleet", None)  # the request's op stands
+        ingest(s, f"edgetune/v1/{DEV}/cmd/res/f1", json.dumps({"id": "f1", "status": "succeeded",
+                                                               "origin": ["odd"], "note": 7}).encode())
+        c = s.command(DEV, "f1")
+        assert (c["status"], c["origin"], c["note"]) == ("succeeded", "fleet", "7")  # known values stay
+
+
+def test_a_v4_fleet_db_upgrades_and_keeps_its_commands(db):
+    v4 = {"SCHEMA": dataclasses.replace(FleetStore.SCHEMA, migrations=FleetStore.SCHEMA.migrations[:4])}
+    old_store = type("V4", (PgFleetStore if is_postgres(db) else FleetStore,), v4)
+    with old_store(db) as s:
+        assert s.schema_version == 4
+        s.put_command(DEV, "c1", "ping", {}, None, 1.0)
+    with open_fleet_store(db) as s:
+        assert s.schema_version == 5
+        c = s.command(DEV, "c1")
+        assert (c["op"], c["origin"], c["note"]) == ("ping", None, None)
+        ingest(s, f"edgetune/v1/{DEV}/cmd/res/c1", json.dumps({"id": "c1", "status": "succeeded",
+                                                               "origin": "fleet"}).encode())
+        assert s.command(DEV, "c1")["origin"] == "fleet"
+
+
 def test_schema_is_versioned_and_foreign_files_are_refused(tmp_path):
     with FleetStore(tmp_path / "f.db") as s:
-        assert s.schema_version == 4
+        assert s.schema_version == 5
     foreign = tmp_path / "foreign.db"
     sqlite3.connect(foreign).execute("CREATE TABLE x (y)").connection.commit()
     with pytest.raises(DBForeign, match="not an edgetune fleet DB"):
@@ -567,7 +603,7 @@ _field_values = st.one_of(_json, st.sampled_from(["online", "lost", "done", "acc
                                                  "committed"]))
 _contract_keys = ["state", "session", "ts", "seq", "boot_id", "kernel", "workload", "measurements", "id", "status",
                   "kernels", "hw", "progress", "record_id", "started_at", "op", "args", "expires_at", "cpu_model",
-                  "rollout_id", "phase", "version"]
+                  "rollout_id", "phase", "version", "origin", "note"]
 _objects = st.dictionaries(st.sampled_from(_contract_keys), _field_values, max_size=8)
 _payloads = st.one_of(st.binary(max_size=200), _json.map(lambda x: json.dumps(x).encode()),
                       _objects.map(lambda x: json.dumps(x).encode()))

@@ -25,6 +25,7 @@ HTML_IDS = ("<img src=x onerror=window.__pwned=1>", "<script>window.__pwned=2;")
 XSS_ID, SCRIPT_ID = "dev-xss-img", "dev-xss-script"
 XSS_CPU = "<script>window.__pwned=3</script>"
 XSS_WORKLOAD = "</td><script>window.__pwned=4</script>"
+OWN_COMMAND = "firmware-hook-0123456789ab"  # a command a device started itself, with a note saying why
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install chromium)")
@@ -54,9 +55,13 @@ def rig(tmp_path_factory):
                                                                             "default_ms": 2.0, "strategy": XSS_CPU}}},
                     retain=True)
             dev.pub("telemetry", {"seq": 1, "boot_id": XSS_CPU, "ts": now, "cpu_percent": 5.0, "state": XSS_CPU})
+            dev.pub(f"cmd/res/{OWN_COMMAND}", {"id": OWN_COMMAND, "op": "retune", "origin": "firmware-hook",
+                                               "status": "succeeded", "note": XSS_CPU, "ts": now})
         dev.close()
     v = tokens["viewer"]
     server.wait_json("/api/v1/overview", v, lambda o: o["devices"] == 6, 60)
+    for name in (XSS_ID, SCRIPT_ID):
+        server.wait_json(f"/api/v1/devices/{name}/commands", v, lambda c: len(c) == 1, 60)
     # the daemon's start-up tune is reported and it has sent telemetry
     server.wait_json(f"/api/v1/devices/{DAEMON}", v, lambda d: d["active"] and d["status"] == "online", 180)
     server.wait_json(f"/api/v1/devices/{DAEMON}/telemetry", v, lambda t: len(t) >= 3, 60)
@@ -129,6 +134,7 @@ def test_retune_button_on_a_real_daemon_runs_to_succeeded(rig):
     # the page updates itself: accepted, in_progress, then succeeded, without a reload
     row.locator(".badge:text-is('succeeded')").wait_for(timeout=180_000)
     assert row.locator("td").nth(1).text_content() == "retune"
+    assert row.locator("td").nth(2).text_content() == "fleet"
     assert row.locator("progress").get_attribute("value") == "1"
     page.screenshot(path=str(ARTIFACTS / "device-retuned.png"), full_page=True)
     assert not problems
@@ -168,6 +174,9 @@ def test_html_in_device_names_and_fields_is_shown_escaped(rig):
         assert page.text_content("#device-id") == device
         assert XSS_CPU in page.text_content("#descriptor")
         assert f"gemm/{XSS_WORKLOAD}" in page.text_content("#active-configs")
+        own = page.locator(f"#command-log tr[data-command='{OWN_COMMAND}'] td")
+        assert own.nth(0).text_content() == OWN_COMMAND[-8:] and own.nth(1).text_content() == "retune"
+        assert own.nth(2).text_content() == f"firmware-hook: {XSS_CPU}"  # who started it and why, as text
         assert page.evaluate("() => window.__pwned") is None
         assert page.locator("img[src=x]").count() == 0
         assert page.locator("script").count() == 2  # only our two, uPlot and app.js

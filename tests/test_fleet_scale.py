@@ -40,9 +40,9 @@ def test_dialect_translates_the_sqlite_ddl_and_placeholders():
 def test_postgres_schema_is_versioned_and_foreign_or_newer_databases_are_refused(pg_cluster):
     url = pg_cluster.create_db()
     with open_fleet_store(url) as s:
-        assert s.schema_version == len(MIGRATIONS) == 4
+        assert s.schema_version == len(MIGRATIONS) == 5
     with open_fleet_store(url) as s:  # reopening migrates nothing
-        assert s.schema_version == 4
+        assert s.schema_version == 5
     with psycopg.connect(url, autocommit=True) as c:
         c.execute("UPDATE edgetune_store SET version = 99")
     with pytest.raises(DBTooNew, match="v99, newer"):

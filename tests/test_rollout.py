@@ -114,7 +114,7 @@ def test_registry_rollouts_reports_and_state_changes_on_sqlite_and_postgresql(db
     key = create_key(tmp_path / "keys" / "k.key")
     signer = load_private_key(key.private)
     with open_fleet_store(db) as store:
-        assert store.schema_version == 4
+        assert store.schema_version == 5  # with the rollout tables (v3, v4)
         seed_devices(store, 6)
         v1 = registry.ensure_bundled(store)
         assert (v1["version"], v1["source"], v1["sha256"]) == (1, "bundled", hashlib.sha256(BUNDLED).hexdigest())

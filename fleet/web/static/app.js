@@ -89,7 +89,9 @@ function setupTelemetry() {
 // ---- device page: live command log --------------------------------------------------------------------------
 function commandRow(c) {
   const tr = el("tr", {"data-command": c.id, "class": "cmd" + (c.open ? " open" : "")});
-  tr.append(el("td", {"class": "mono"}, c.id.slice(0, 8)), el("td", {}, c.op || "-"));
+  const by = el("td", {}, c.origin || "-");
+  if (c.note) by.append(": ", el("span", {"class": "note"}, c.note));
+  tr.append(el("td", {"class": "mono", title: c.id}, c.id.slice(-8)), el("td", {}, c.op || "-"), by);
   const st = el("td");
   st.append(el("span", {"class": `badge cmd-${c.status}`}, c.status));
   const pr = el("td");
@@ -111,7 +113,7 @@ function setupCommandLog() {
       const cmds = await getJSON(`/api/v1/devices/${enc(table.dataset.device)}/commands`);
       const body = table.querySelector("tbody");
       const none = el("tr", {"class": "empty"});
-      none.append(el("td", {colspan: "7"}, "no commands yet"));
+      none.append(el("td", {colspan: "8"}, "no commands yet"));
       body.replaceChildren(...(cmds.length ? cmds.map(commandRow) : [none]));
       if (pending && cmds.some(c => c.id === pending)) pending = "";
       fast = Boolean(pending) || cmds.some(c => c.open);
