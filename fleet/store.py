@@ -169,10 +169,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE rollouts ADD COLUMN report_timeout_s REAL NOT NULL DEFAULT 3600
     """,
-    # v5: who started a command (cmd/res `origin`) and, for a device's own, why (`note`)
+    # v5: who started a command (cmd/res `origin`; `fleet` for a cmd/req seen) and, for a device's own, why (`note`)
     """
     ALTER TABLE commands ADD COLUMN origin TEXT;
-    ALTER TABLE commands ADD COLUMN note TEXT
+    ALTER TABLE commands ADD COLUMN note TEXT;
+    UPDATE commands SET origin = 'fleet' WHERE requested_at IS NOT NULL
     """,
 ]
 FIX = "move it aside (rename it) or pass --db with another path"
@@ -382,11 +383,13 @@ class FleetStore(Store):
 
     def put_command(self, device: str, cmd_id: str, op: str | None, args: Any, expires_at: float | None,
                     now: float) -> None:
+        """A cmd/req seen on the broker: the fleet sent it (devices never publish one)."""
         with self.device_write(device, now, None) as c:
-            c.execute("INSERT INTO commands (device_id, id, op, args_json, expires_at, requested_at, updated_at)"
-                      " VALUES (?,?,?,?,?,?,?) ON CONFLICT(device_id, id) DO UPDATE SET op=excluded.op,"
-                      " args_json=excluded.args_json, expires_at=excluded.expires_at,"
-                      " requested_at=coalesce(commands.requested_at, excluded.requested_at)",
+            c.execute("INSERT INTO commands (device_id, id, op, args_json, expires_at, requested_at, updated_at,"
+                      " origin) VALUES (?,?,?,?,?,?,?,'fleet') ON CONFLICT(device_id, id) DO UPDATE SET"
+                      " op=excluded.op, args_json=excluded.args_json, expires_at=excluded.expires_at,"
+                      " requested_at=coalesce(commands.requested_at, excluded.requested_at),"
+                      " origin=coalesce(commands.origin, excluded.origin)",
                       (device, cmd_id, op, _dumps(args), expires_at, now, now))
 
     def put_response(self, device: str, cmd_id: str, status: str, progress: Any, reason: str | None, result: Any,

@@ -551,7 +551,7 @@ def test_status_history_dedupes_retained_redelivery_and_final_responses_stick(db
         assert s.devices()[0]["tuned_workloads"] == 0
 
 
-def test_who_started_a_command_and_why_come_from_its_responses(db):
+def test_who_started_a_command_and_why_come_from_its_responses(db, monkeypatch):
     with open_fleet_store(db) as s:
         own = f"edgetune/v1/{DEV}/cmd/res/firmware-hook-1"  # the device's own: no cmd/req tells op or origin
         ingest(s, own, json.dumps({"id": "firmware-hook-1", "op": "retune", "origin": "firmware-hook",
@@ -564,10 +564,20 @@ def test_who_started_a_command_and_why_come_from_its_responses(db):
                                                                "status": "accepted", "note": None}).encode())
         c = s.command(DEV, "f1")
         assert (c["op"], c["origin"], c["note"]) == ("probe", "fleet", None)  # the request's op stands
+        ingest(s, f"edgetune/v1/{DEV}/cmd/req", json.dumps({"id": "f2", "op": "ping", "args": {}}).encode())
+        assert s.command(DEV, "f2")["origin"] == "fleet"  # a cmd/req seen is the fleet's, before any response
         ingest(s, f"edgetune/v1/{DEV}/cmd/res/f1", json.dumps({"id": "f1", "status": "succeeded",
                                                                "origin": ["odd"], "note": 7}).encode())
         c = s.command(DEV, "f1")
         assert (c["status"], c["origin"], c["note"]) == ("succeeded", "fleet", "7")  # known values stay
+    r = edgetune("fleet", "show", DEV, "--db", str(db), "--json")
+    assert r.returncode == 0, r.stderr
+    assert {c["id"]: c["origin"] for c in json.loads(r.stdout)["commands"]} == {
+        "firmware-hook-1": "firmware-hook", "f1": "fleet", "f2": "fleet"}
+    monkeypatch.setenv("COLUMNS", "160")  # the table's cells unwrapped
+    r = edgetune("fleet", "show", DEV, "--db", str(db))
+    assert r.returncode == 0 and "started by" in r.stdout and "firmware-hook: firmware changed (rauc)" in r.stdout, \
+        r.stdout
 
 
 def test_a_v4_fleet_db_upgrades_and_keeps_its_commands(db):
@@ -575,14 +585,14 @@ def test_a_v4_fleet_db_upgrades_and_keeps_its_commands(db):
     old_store = type("V4", (PgFleetStore if is_postgres(db) else FleetStore,), v4)
     with old_store(db) as s:
         assert s.schema_version == 4
-        s.put_command(DEV, "c1", "ping", {}, None, 1.0)
+        with s.tx() as c:  # a fleet command (its cmd/req seen) and a device's own (a response only)
+            for cid, requested in (("c1", 1.0), ("own-1", None)):
+                c.execute("INSERT INTO commands (device_id, id, op, status, requested_at, updated_at)"
+                          " VALUES (?,?,?,?,?,?)", (DEV, cid, "ping", "succeeded", requested, 2.0))
     with open_fleet_store(db) as s:
         assert s.schema_version == 5
-        c = s.command(DEV, "c1")
-        assert (c["op"], c["origin"], c["note"]) == ("ping", None, None)
-        ingest(s, f"edgetune/v1/{DEV}/cmd/res/c1", json.dumps({"id": "c1", "status": "succeeded",
-                                                               "origin": "fleet"}).encode())
-        assert s.command(DEV, "c1")["origin"] == "fleet"
+        assert [(c["id"], c["op"], c["origin"], c["note"]) for c in s.commands(DEV)] == [
+            ("c1", "ping", "fleet", None), ("own-1", "ping", None, None)]
 
 
 def test_schema_is_versioned_and_foreign_files_are_refused(tmp_path):

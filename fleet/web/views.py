@@ -122,8 +122,7 @@ def commands(store: FleetStore, device: str) -> list[dict]:
     for c in store.commands(device)[::-1][:50]:
         p = c.get("progress")
         frac = float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1 else None
-        origin = c.get("origin") or ("fleet" if c.get("requested_at") else None)  # a cmd/req seen: the fleet's
-        out.append({**c, "origin": origin, "status": c.get("status") or "sent", "fraction": frac,
+        out.append({**c, "status": c.get("status") or "sent", "fraction": frac,
                     "open": (c.get("status") or "sent") in ("sent", *OPEN_COMMAND_STATES)})
     return out
 
