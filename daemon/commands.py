@@ -23,7 +23,7 @@ from typing import Any, Callable
 from daemon.store import Journal
 from edgetune.errors import BadInput
 from edgetune.protocol import CMD_REQ, ID_RULE, INVALID_ID, MAX_COMMAND_BYTES, OPS, ProtocolError, decode, valid_id
-from edgetune.protocol import OPEN_STATES as OPEN, TERMINAL_STATES as TERMINAL
+from edgetune.protocol import OPEN_STATES as OPEN, ORIGIN_FLEET, TERMINAL_STATES as TERMINAL
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def parse(payload: bytes, now: float) -> tuple[str | None, str | None, Command |
     try:
         if _expired(doc.get("expires_at"), now):
             raise Rejected("expired")
-        return cid, op, Command(cid, op, check_args(op, doc.get("args")), "fleet"), None
+        return cid, op, Command(cid, op, check_args(op, doc.get("args")), ORIGIN_FLEET), None
     except Rejected as e:
         return cid, op, None, str(e)
 
@@ -155,7 +155,7 @@ class Commands:
             reason = self._checked(cmd)
         if cmd is None or reason:
             log.warning("rejected command %s: %s", cid, reason)
-            self._record(cid, op, cmd.args if cmd else None, "fleet", "rejected", reason)
+            self._record(cid, op, cmd.args if cmd else None, ORIGIN_FLEET, "rejected", reason)
             return
         self._start(cmd)
 
@@ -208,7 +208,7 @@ class Commands:
             return  # a finished command stays finished (e.g. a late progress tick)
         if status in TERMINAL:
             progress = 1.0 if status == "succeeded" else prev.get("progress")
-        doc = self._doc(cmd_id, prev.get("op"), prev.get("origin", "fleet"), status, progress, reason, result,
+        doc = self._doc(cmd_id, prev.get("op"), prev.get("origin", ORIGIN_FLEET), status, progress, reason, result,
                         message, prev.get("note"))
         self.journal.update(cmd_id, doc)
         self._emit(cmd_id, doc)

@@ -33,7 +33,9 @@ from daemon.telemetry import Telemetry
 from edgetune import __version__
 from edgetune.broker import CONNECT_TIMEOUT_S
 from edgetune.errors import BadInput, EdgetuneError
-from edgetune.protocol import PAUSED, TERMINAL_STATES, Topics, encode
+from edgetune.protocol import (
+    ORIGIN_FIRMWARE_HOOK, ORIGIN_FLEET, ORIGIN_LOCAL, PAUSED, TERMINAL_STATES, Topics, encode,
+)
 from edgetune.sqlite import DBError, DBFull
 from edgetune.wakeup import Wakeup
 from hwprobe import probe
@@ -274,7 +276,8 @@ class Daemon:
         an entry only when its session finishes)."""
         log.info("firmware changed (%s): retuning every workload", source)
         try:
-            return self.commands.local("retune", {"force": True}, "firmware-hook", note=f"firmware changed ({source})")
+            return self.commands.local("retune", {"force": True}, ORIGIN_FIRMWARE_HOOK,
+                                       note=f"firmware changed ({source})")
         except BadInput as e:  # nothing configured to tune: journaled as rejected, nothing else to do
             log.error("firmware retune: %s", e)
             return None
@@ -400,7 +403,7 @@ class Daemon:
     def _check(self, cmd: Command) -> None:
         if cmd.op == "retune":
             pairs = targets.select(self.pairs, cmd.args.get("kernels"), cmd.args.get("workloads"))
-            if cmd.origin == "fleet":
+            if cmd.origin == ORIGIN_FLEET:
                 for spec, wl in pairs:
                     mb = spec.bytes_moved(wl.shape) / 1e6
                     if wl.source == "custom shape" and mb > COMMAND_MAX_INPUT_MB:
@@ -414,11 +417,11 @@ class Daemon:
         a = cmd.args
         pairs = targets.select(self.pairs, a.get("kernels"), a.get("workloads"))
         ts = [targets.Target(s, w, force=bool(a.get("force"))) for s, w in pairs]
-        firmware_hook = cmd.origin == "firmware-hook"
+        firmware_hook = cmd.origin == ORIGIN_FIRMWARE_HOOK
         self.scheduler.submit(Job({t.name: t for t in ts}, a.get("strategy", self.cfg.tuning.strategy),
                                   a.get("budget", self.cfg.tuning.budget), "firmware-hook" if firmware_hook else "cmd",
                                   [cmd.id], wait_idle=firmware_hook, objective=self.cfg.tuning.objective,
-                                  power=self.cfg.power, max_s=COMMAND_MAX_S if cmd.origin == "fleet" else None))
+                                  power=self.cfg.power, max_s=COMMAND_MAX_S if cmd.origin == ORIGIN_FLEET else None))
 
     def _run_op(self, cmd: Command) -> None:
         try:
@@ -528,7 +531,7 @@ class Daemon:
         args = {k: req[k] for k in ("kernels", "workloads", "strategy", "budget", "force")
                 if req.get(k) is not None and req.get(k) is not False}
         try:
-            cmd = self.commands.local("retune", args, "local")
+            cmd = self.commands.local("retune", args, ORIGIN_LOCAL)
         except EdgetuneError as e:
             send({"ok": False, "error": str(e), "exit": e.exit_code})
             return

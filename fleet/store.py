@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, ContextManager, Iterator, Mapping, NamedTuple, Sequence
 
 from edgetune import paths
-from edgetune.protocol import EXPIRED, TERMINAL_STATES
+from edgetune.protocol import EXPIRED, ORIGIN_FLEET, TERMINAL_STATES
 from edgetune.sqlite import Schema, Store
 from fleet.db import PgStore, is_postgres
 
@@ -386,11 +386,11 @@ class FleetStore(Store):
         """A cmd/req seen on the broker: the fleet sent it (devices never publish one)."""
         with self.device_write(device, now, None) as c:
             c.execute("INSERT INTO commands (device_id, id, op, args_json, expires_at, requested_at, updated_at,"
-                      " origin) VALUES (?,?,?,?,?,?,?,'fleet') ON CONFLICT(device_id, id) DO UPDATE SET"
+                      " origin) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(device_id, id) DO UPDATE SET"
                       " op=excluded.op, args_json=excluded.args_json, expires_at=excluded.expires_at,"
                       " requested_at=coalesce(commands.requested_at, excluded.requested_at),"
                       " origin=coalesce(commands.origin, excluded.origin)",
-                      (device, cmd_id, op, _dumps(args), expires_at, now, now))
+                      (device, cmd_id, op, _dumps(args), expires_at, now, now, ORIGIN_FLEET))
 
     def put_response(self, device: str, cmd_id: str, status: str, progress: Any, reason: str | None, result: Any,
                      now: float, started: Started = Started()) -> None:
