@@ -18,7 +18,8 @@ from kernels.registry import get_spec
 from kernels.space import config_key
 from tuner.db import ResultsDB
 from tuner.strategies.llm import (
-    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, PATIENCE, STRATEGY_VERSION, LLMStrategy, _PROPOSERS, evidence_bias, hedged,
+    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, PATIENCE, RETEST_WITHIN, STRATEGY_VERSION, LLMStrategy, _PROPOSERS,
+    evidence_bias, hedged,
 )
 from tuner.model.inference import default_model_path
 from tuner.session import Budget, Session
@@ -327,3 +328,37 @@ def test_a_hedge_gives_up_a_near_duplicate_rather_than_a_diverse_pick(hw):
     out = s._always_hedged(batch)
     assert out[0] == top and len(out) == 4 and len({c["vec"] for c in out}) == 2, out
     assert [c for c in batch if c not in out] == [twin]
+
+
+@pytest.mark.parametrize("kernel, workload", [("logmel", "kws.logmel"), ("gemm", "mobilenetv2.b2.expand")])
+def test_a_hedged_value_gets_one_clean_test_on_the_incumbent(kernel, workload, hw):
+    """A hedge config differs from the incumbent in several knobs, so its time does not say whether the hedged value
+    itself lost. The local step first tries the incumbent with just that value (once per value, and only for a
+    hedge that came within RETEST_WITHIN); with `retest` off it does not."""
+    spec = get_spec(kernel)
+    space = spec.space(spec.workload(workload).shape, hw)
+    for retest in (True, False):
+        s = LLMStrategy(space, 0, kernel=spec, retest=retest)
+        first = s.ask(2)
+        inc = first[0]
+        hedges = [c for c in first[1:] if any(c[n] != inc[n] for n in ALWAYS_HEDGE if n in space.names)]
+        close = hedges[0]
+        for c in first:  # the top pick leads, one hedge is close behind, the others beyond RETEST_WITHIN
+            s.tell(c, Measurement(ok=True, ms=1.0 if c is inc else 1.2 if c is close else RETEST_WITHIN + 1.0))
+        clean = [{**inc, n: close[n]} for n in ALWAYS_HEDGE if n in space.names and close[n] != inc[n]]
+        wanted = {config_key(c) for c in clean if space.is_valid(c)} - s.seen
+        if retest:
+            assert wanted and {config_key(c) for c in s._retests()} == wanted
+        else:
+            assert not s._retests()
+        steps = []
+        for _ in range(len(wanted) + 1):
+            more = s.ask(2)
+            steps.append(config_key(more[-1]))
+            for c in more:
+                s.tell(c, Measurement(ok=True, ms=1.5))
+        if retest:  # the clean tests come first, each once; then the ordinary steps
+            assert set(steps[:len(wanted)]) <= wanted and wanted <= s.seen and not s._retests(), (wanted, steps)
+            assert s.retested and all(close[n] == v for n, v in s.retested)  # not the far hedges' values
+        else:
+            assert not s.retested
