@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol
 from daemon import tunejob
 from daemon.store import results_db
 from daemon.targets import Target
+from edgetune.protocol import SESSION_COMMAND, SESSION_DAEMON, SESSION_FIRMWARE_HOOK
 from hwprobe.power.config import PowerConfig
 from tuner.db import ResultsDB
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 30.0
 ROOT = str(Path(__file__).resolve().parent.parent)
-ORIGIN_RANK = ("daemon", "cmd", "firmware-hook")  # a merged job carries the weightiest origin
+ORIGIN_RANK = (SESSION_DAEMON, SESSION_COMMAND, SESSION_FIRMWARE_HOOK)  # a merged job carries the weightiest origin
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Job:
     targets: dict[str, Target]  # by "kernel/workload", in order
     strategy: str
     budget: int
-    origin: str  # daemon | cmd | firmware-hook: the session origin in the results DB
+    origin: str  # one of ORIGIN_RANK: the session origin in the results DB
     command_ids: list[str] = field(default_factory=list)
     wait_idle: bool = False
     objective: str = "latency"

@@ -34,7 +34,8 @@ from edgetune import __version__
 from edgetune.broker import CONNECT_TIMEOUT_S
 from edgetune.errors import BadInput, EdgetuneError
 from edgetune.protocol import (
-    ORIGIN_FIRMWARE_HOOK, ORIGIN_FLEET, ORIGIN_LOCAL, PAUSED, TERMINAL_STATES, Topics, encode,
+    ORIGIN_FIRMWARE_HOOK, ORIGIN_FLEET, ORIGIN_LOCAL, PAUSED, SESSION_COMMAND, SESSION_DAEMON, SESSION_FIRMWARE_HOOK,
+    TERMINAL_STATES, Topics, encode,
 )
 from edgetune.sqlite import DBError, DBFull
 from edgetune.wakeup import Wakeup
@@ -247,7 +248,7 @@ class Daemon:
         if chosen:
             log.info("retuning %d workload(s) with the new model: %s", len(chosen), ", ".join(better))
             self.scheduler.submit(Job({t.name: t for t in chosen}, self.cfg.tuning.strategy, self.cfg.tuning.budget,
-                                      "daemon", wait_idle=True, objective=self.cfg.tuning.objective,
+                                      SESSION_DAEMON, wait_idle=True, objective=self.cfg.tuning.objective,
                                       power=self.cfg.power))
 
     def _first_plan(self) -> None:
@@ -268,7 +269,7 @@ class Daemon:
             log.info("needs tuning: %s (%s)", t.name, why)
         if todo:
             self.scheduler.submit(Job({t.name: t for t, _ in todo}, self.cfg.tuning.strategy,
-                                      self.cfg.tuning.budget, "daemon", wait_idle=True,
+                                      self.cfg.tuning.budget, SESSION_DAEMON, wait_idle=True,
                                       objective=self.cfg.tuning.objective, power=self.cfg.power))
 
     def _firmware_changed(self, source: str) -> Command | None:
@@ -419,7 +420,8 @@ class Daemon:
         ts = [targets.Target(s, w, force=bool(a.get("force"))) for s, w in pairs]
         firmware_hook = cmd.origin == ORIGIN_FIRMWARE_HOOK
         self.scheduler.submit(Job({t.name: t for t in ts}, a.get("strategy", self.cfg.tuning.strategy),
-                                  a.get("budget", self.cfg.tuning.budget), "firmware-hook" if firmware_hook else "cmd",
+                                  a.get("budget", self.cfg.tuning.budget),
+                                  SESSION_FIRMWARE_HOOK if firmware_hook else SESSION_COMMAND,
                                   [cmd.id], wait_idle=firmware_hook, objective=self.cfg.tuning.objective,
                                   power=self.cfg.power, max_s=COMMAND_MAX_S if cmd.origin == ORIGIN_FLEET else None))
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 from edgetune.errors import EdgetuneError
+from edgetune.protocol import SESSION_CLI
 from edgetune.sqlite import DBError
 from kernels.build import prune_builds
 from kernels.measure import TIE_THRESHOLD, Measurement, is_tie
@@ -164,7 +165,7 @@ class Session:
             self.timing[what] = self.timing.get(what, 0.0) + time.perf_counter() - t0
 
     def tune(self, spec: KernelSpec, wl: Workload, *, strategy: str = "anneal", budget: Budget | None = None,
-             seed: int = 0, force: bool = False, batch: int | None = None, origin: str = "cli",
+             seed: int = 0, force: bool = False, batch: int | None = None, origin: str = SESSION_CLI,
              progress: ProgressFn | None = None, strategy_obj: Strategy | None = None,
              objective: Objective | None = None) -> TuneResult:
         budget = budget or Budget()
