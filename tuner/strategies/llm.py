@@ -317,9 +317,9 @@ class LLMStrategy(Strategy):
 
     def _retests(self) -> list[Config]:
         """The incumbent with one always-hedged knob set to another value the session measured, unmeasured so far,
-        where that value's best config came within RETEST_WITHIN of the incumbent; once per value. A hedge config differs from the
-        incumbent in several knobs, so its time does not say whether the hedged value itself lost; the evidence
-        bias would otherwise keep the model off that value for the rest of the session."""
+        where that value's best config came within RETEST_WITHIN of the incumbent; once per value. A hedge config
+        differs from the incumbent in several knobs, so its time does not say whether the hedged value itself lost;
+        the evidence bias would otherwise keep the model off that value for the rest of the session."""
         if not self.retest or self.best is None:
             return []
         ms_best, inc = self.best
