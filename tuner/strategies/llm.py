@@ -141,6 +141,14 @@ def hedged(ranked: list[tuple[Config, float]], k: int, space: SearchSpace) -> li
     return picked
 
 
+def best_by_value(history: list[tuple[Config, float]], name: str) -> dict[Any, float]:
+    """Value of knob `name` -> the best time among the measured configs holding it."""
+    by: dict[Any, float] = {}
+    for c, ms in history:
+        by[c[name]] = min(by.get(c[name], math.inf), ms)
+    return by
+
+
 def evidence_bias(space: SearchSpace, history: list[tuple[Config, float]],
                   weight: float = EVIDENCE_WEIGHT) -> dict[str, dict[Any, float]]:
     """Knob -> value -> log-weight (<= 0): -weight * log(best time with the value / best time of all), for knobs
@@ -150,9 +158,7 @@ def evidence_bias(space: SearchSpace, history: list[tuple[Config, float]],
     best = min(ms for _, ms in history)
     out: dict[str, dict[Any, float]] = {}
     for p in space.params:
-        by: dict[Any, float] = {}
-        for c, ms in history:
-            by[c[p.name]] = min(by.get(c[p.name], math.inf), ms)
+        by = best_by_value(history, p.name)
         if len(by) >= 2:
             out[p.name] = {v: -weight * math.log(ms / best) for v, ms in by.items() if ms > best}
     return {k: v for k, v in out.items() if v}
@@ -327,13 +333,9 @@ class LLMStrategy(Strategy):
         for name in self.always_hedge:
             if name not in self.space.names:
                 continue
-            tried: dict[Any, float] = {}
-            for c, ms in self.history:
-                if c[name] != inc[name]:
-                    tried[c[name]] = min(tried.get(c[name], math.inf), ms)
-            for v, ms in tried.items():
+            for v, ms in best_by_value(self.history, name).items():
                 cand = {**inc, name: v}
-                if ms <= RETEST_WITHIN * ms_best and (name, v) not in self.retested \
+                if v != inc[name] and ms <= RETEST_WITHIN * ms_best and (name, v) not in self.retested \
                         and config_key(cand) not in self.seen and self.space.is_valid(cand):
                     out.append(cand)
         return out
