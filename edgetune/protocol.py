@@ -44,12 +44,12 @@ STATUS_STATES = ("online", "offline", "lost")
 # cmd/res: a command's life; the device journals it and dedupes its id
 COMMAND_STATES = ("accepted", "in_progress", "succeeded", "failed", "rejected")
 TERMINAL_STATES = ("succeeded", "failed", "rejected")  # a command in one of these never changes again
+OPEN_STATES = tuple(s for s in COMMAND_STATES if s not in TERMINAL_STATES)
 # cmd/res `origin`: who started a command (a cmd/req, the control socket, a firmware hook)
 ORIGIN_FLEET, ORIGIN_LOCAL, ORIGIN_FIRMWARE_HOOK = "fleet", "local", "firmware-hook"
 # tuning/record `origin` (and the results DB's): what started a tuning session (the command line, the daemon's own
 # plan, a command, a firmware hook's retune)
 SESSION_CLI, SESSION_DAEMON, SESSION_COMMAND, SESSION_FIRMWARE_HOOK = "cli", "daemon", "cmd", "firmware-hook"
-OPEN_STATES = tuple(s for s in COMMAND_STATES if s not in TERMINAL_STATES)
 # the fleet's own verdict on a command nobody answered before its expires_at (never sent by a device)
 EXPIRED = "expired"
 

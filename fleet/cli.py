@@ -188,7 +188,7 @@ def _gaps(g: dict | None) -> str:
     return "-" if not g else f"{g['received']} ({g['missing']} missing)"
 
 
-def started_by(c: dict) -> str:
+def _started_by(c: dict) -> str:
     """Who started a command and, for a device's own, why: "firmware-hook: firmware changed (rauc)"."""
     return (c.get("origin") or "-") + (f": {c['note']}" if c.get("note") else "")
 
@@ -222,7 +222,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             [r["session_id"], f"{r['kernel']}/{r['workload']}", r["strategy"], r["state"], r["n_measurements"]]
             for r in d["records"]])
         table("commands", ["id", "op", "started by", "status", "reason"], [
-            [c["id"], c["op"], started_by(c), c["status"] or "sent", c["reason"] or ""] for c in d["commands"]])
+            [c["id"], c["op"], _started_by(c), c["status"] or "sent", c["reason"] or ""] for c in d["commands"]])
 
     emit(data, args.json, render)
     return 0
