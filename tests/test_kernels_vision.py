@@ -198,6 +198,29 @@ def test_stride_specialised_build_runs_its_stride_only(name, hw, runner):
     assert not wrong.ok and "error code 2" in wrong.reason
 
 
+def test_dwconv_build_for_one_shape_takes_only_its_paths(hw, runner):
+    """A dwconv build for one workload also bakes in C and W, and compiles only the channel path (scalar, one-vector
+    or cv-vector tiles) and the row path (narrower than wt pixels or not) that shape takes: each such build, with
+    every activation, matches the reference, and refuses a shape that differs in C or in W alone."""
+    dw, v = get_spec("dwconv_3x3"), _widest_vec(hw)
+    base = dict(dw.default, vec=v, cv=2, wt=4)
+    cases = [  # (shape, what it exercises)
+        ({"H": 6, "W": 9, "C": v - 1, "stride": 1}, "scalar channels"),
+        ({"H": 6, "W": 9, "C": v + 3, "stride": 2}, "one-vector tiles"),
+        ({"H": 6, "W": 9, "C": 2 * v + 3, "stride": 1}, "cv-vector tiles and a shifted last tile"),
+        ({"H": 7, "W": 5, "C": 2 * v + 3, "stride": 2}, "rows narrower than wt"),
+    ]
+    for i, (shape, what) in enumerate(cases):
+        so = build(dw, base, hw, shape=shape).path
+        m = runner.measure(dw, shape, so, act=("none", "relu", "relu6")[i % 3], **FAST)
+        assert m.ok, f"{what} {shape}: {m.reason}"
+    shape = cases[2][0]
+    so = build(dw, base, hw, shape=shape).path
+    for other in ({**shape, "C": shape["C"] + 1}, {**shape, "W": shape["W"] + 1}):
+        wrong = runner.measure(dw, other, so, **FAST)
+        assert not wrong.ok and "error code 2" in wrong.reason, other
+
+
 def test_gemm_prunes_column_panels_wider_than_n(hw, runner):
     """A packed panel (nv * vec columns) holding a whole vector of padding past N only multiplies zeros: the space
     prunes it (nv=1 stays, its padding is a masked store), the default moves to its nearest valid neighbour, and a

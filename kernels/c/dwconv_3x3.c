@@ -18,6 +18,9 @@
  * so its input rows are reused from L1 by the next row tile; pixels: a row tile runs each pixel tile across all
  * channels, reading input pixels contiguously, taps reloaded per tile), PREFETCH: each tile prefetches into L2 the
  * input rows that the row tile PREFETCH tiles below starts on (0 = off), THREADS over the work items.
+ * A build for one workload bakes in its stride, C and W (-DET_SHAPE_*), and compiles only the paths that shape
+ * takes (one stride; scalar, one-vector or CV-vector channel tiles; rows narrower than WT or not): the fully
+ * unrolled tiles are most of a compile, which this cuts to about 0.55x. Such a build returns 2 for any other shape.
  */
 #ifndef ET_CV
 #define ET_CV 2
@@ -57,6 +60,12 @@
 #define DW_REG(x) ((void)0)
 #endif
 #define UNROLL_ALL ET_PRAGMA_UNROLL(32)
+/* Whether rows narrower than WT pixels occur: not in a build for one width with at least WT output pixels. */
+#if defined(ET_SHAPE_W) && defined(ET_SHAPE_STRIDE) && (ET_SHAPE_W - 1) / ET_SHAPE_STRIDE + 1 >= ET_WT
+#define NARROW_ROWS 0
+#else
+#define NARROW_ROWS 1
+#endif
 
 /* The channel tiling for C: tiles of `width` channels (CT, else VEC, else C for the scalar path); tile k starts at
  * min(k * width, C - width). */
@@ -174,7 +183,7 @@ ET_INLINE void load_panel(const float *panel, et_vf *w, et_vf *b, const int NV) 
  * Wo) checking which of their input columns exist; one-pixel tiles when the row is narrower than WT. */
 #define PIXEL_TILES(a, DO)                                                                                            \
     do {                                                                                                              \
-        if ((a)->Wo < ET_WT) {                                                                                        \
+        if (NARROW_ROWS && (a)->Wo < ET_WT) {                                                                         \
             for (int64_t ox_ = 0; ox_ < (a)->Wo; ox_++) DO(ox_, 1, 1);                                                \
             break;                                                                                                    \
         }                                                                                                             \
@@ -232,11 +241,16 @@ ET_INLINE void item(const dw_args *shared, int64_t i, const int S) {
 #endif
     const int64_t oy0 = rt * ET_RT, nrows = a->Ho - oy0 < ET_RT ? a->Ho - oy0 : ET_RT;
     const int64_t width = a->ct.width;
+    (void)width;
+#if !defined(ET_SHAPE_C) || ET_SHAPE_C < ET_VEC /* a build for one workload instantiates its channel path only */
     if (width < ET_VEC) return scalar_rows(a, oy0, nrows, S);
-#if ET_CV > 1
+#endif
+#if ET_CV > 1 && (!defined(ET_SHAPE_C) || (ET_SHAPE_C >= ET_VEC && ET_SHAPE_C < CT))
     if (width == ET_VEC) return row_tile(a, oy0, nrows, k, S, 1);
 #endif
+#if !defined(ET_SHAPE_C) || ET_SHAPE_C >= CT
     row_tile(a, oy0, nrows, k, S, ET_CV);
+#endif
 }
 
 #if !defined(ET_SHAPE_STRIDE) || ET_SHAPE_STRIDE == 1 /* a build for one workload instantiates its stride only */
@@ -254,8 +268,15 @@ static int et_kernel(const int64_t *dims, float *const *bufs, const float *packe
     const int64_t H = dims[0], W = dims[1], C = dims[2], S = dims[3];
     if (H < 1 || W < 1 || C < 1) return 1;
     if (S != 1 && S != 2) return 2;
+    /* a build for one workload (ET_SHAPE_*) runs that shape's stride, channels and width only */
 #ifdef ET_SHAPE_STRIDE
-    if (S != ET_SHAPE_STRIDE) return 2; /* not the stride this build was specialised to */
+    if (S != ET_SHAPE_STRIDE) return 2;
+#endif
+#ifdef ET_SHAPE_C
+    if (C != ET_SHAPE_C) return 2;
+#endif
+#ifdef ET_SHAPE_W
+    if (W != ET_SHAPE_W) return 2;
 #endif
     const int64_t Ho = (H - 1) / S + 1;
     const ctiles ct = channel_tiles(C);

@@ -68,7 +68,7 @@ def _synthetic(rng: random.Random) -> dict:
 
 
 SPEC = KernelSpec(
-    baked_dims=("stride",),
+    baked_dims=("stride", "C", "W"),
     name="dwconv_3x3",
     domain="vision",
     summary="depthwise 3x3 convolution, pad 1, stride 1|2: act(NHWC input [H,W,C] * weights [3,3,C] + bias) -> "
