@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import numpy as np
-
 from edgetune.errors import BadInput
 from edgetune.output import emit, fmt, json_flag, progress, table
 from kernels.build import build
@@ -97,11 +95,9 @@ def bench_one(spec: KernelSpec, wl: Workload, cfg: dict, hw: Any, runner: Runner
         row["roofline"] = roofline_fraction(row["gflops"], spec.flops(wl.shape), spec.bytes_moved(wl.shape),
                                             int(cfg.get("threads", 1)), hw)
     if with_ort:
-        from kernels.ort_twin import run_ort
-
-        r = run_ort(spec, wl.shape, spec.make_inputs(wl.shape, np.random.default_rng(0)), threads=hw.cores)
-        row["ort_ms"] = r.ms
-        row["ort_ratio"] = (m.ms / r.ms) if m.ok else None
+        r = runner.time_twin(spec, wl.shape, threads=hw.cores)
+        row["ort_ms"], row["ort_reason"] = r.ms, r.reason or None  # the twin's failure is shown, not raised
+        row["ort_ratio"] = (m.ms / r.ms) if m.ok and r.ok else None
     return row
 
 
@@ -142,7 +138,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             [r["kernel"], r["workload"], format_config(r["config"]), fmt(r["ms"], 4), fmt(r["cv"], 3),
              r["reps_used"], "yes" if r["ok"] else f"NO: {r['reason']}",
              "-" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2g}"]
-            + ([fmt(r["ort_ms"], 4), fmt(r["ort_ratio"], 2)] if args.ort else [])
+            + ([fmt(r["ort_ms"], 4) if r["ort_reason"] is None else f"NO: {r['ort_reason']}", fmt(r["ort_ratio"], 2)]
+               if args.ort else [])
             + [fmt(r["gflops"], 2), fmt(r["roofline"], 2)] for r in rs])
 
     emit(rows if args.all else rows[0], args.json, lambda d: render(d if args.all else [d]))

@@ -1,4 +1,5 @@
-"""Measure variants in a recycled subprocess, so a segfault, hang or a variant's thread pool never reaches the caller.
+"""Measure variants (and the kernels' ONNX twins) in a recycled subprocess, so a segfault, hang or a variant's thread
+pool never reaches the caller.
 
 The parent (`Runner`) sends one JSON line per request; the worker (`python -m kernels.worker`) loads the .so
 with ctypes, packs its constant inputs once (as a layer does at load), checks its output against the numpy
@@ -91,13 +92,42 @@ class Runner:
         kernels.spec.ACTIVATIONS). A crash, hang or wrong result comes back as ok=False with a reason."""
         spec.check_act(act)  # a caller's bad argument, not a failed variant
         so = str(so_path)
+        req = {"kernel": spec.name, "shape": shape, "so": so, "seed": seed,
+               "min_time_s": min_time_s, "max_reps": max_reps, "act": act}
+        reply = self._ask(req, timeout_s, so)
+        if isinstance(reply, Measurement):
+            return reply
+        if not reply["ok"]:
+            return Measurement(ok=False, reason=reply["reason"], max_abs_err=reply.get("max_abs_err"))
+        ms, cv, used, name = estimate(reply["wall_ms"], reply["nivcsw"])
+        return Measurement(
+            ok=True, ms=ms, cv=cv, reps=len(reply["wall_ms"]), reps_used=used, estimator=name,
+            cpu_ms=float(np.median(reply["cpu_ms"])), nivcsw=int(sum(reply["nivcsw"])),
+            max_abs_err=reply["max_abs_err"], wall_ms=reply["wall_ms"], t0=reply["t0"], t1=reply["t1"],
+            calls=reply["calls"],
+        )
+
+    def time_twin(self, spec: KernelSpec, shape: Shape, *, threads: int, min_time_s: float = 0.15,
+                  timeout_s: float | None = None) -> Measurement:
+        """The kernel's ONNX twin on the inputs of seed 0, timed in the worker as a variant is: onnxruntime's
+        ~55 MB (library, arena, session) and any crash or hang of it stay out of the caller, the process that holds
+        the tuner model."""
+        reply = self._ask({"twin": True, "kernel": spec.name, "shape": shape, "threads": threads,
+                           "min_time_s": min_time_s}, timeout_s)
+        if isinstance(reply, Measurement):
+            return reply
+        if not reply["ok"]:
+            return Measurement.failed(reply["reason"])
+        return Measurement(ok=True, ms=reply["ms"], cv=reply["cv"])
+
+    def _ask(self, req: dict[str, Any], timeout_s: float | None, so: str | None = None) -> dict | Measurement:
+        """One request to the worker (a fresh one when the last died, or once it has loaded `recycle_after`
+        libraries and `so` is a new one): its reply, or the failed Measurement of a worker that hung or died."""
         if (self._proc is None or self._proc.poll() is not None
-                or (so not in self._loaded and len(self._loaded) >= self.recycle_after)):
+                or (so is not None and so not in self._loaded and len(self._loaded) >= self.recycle_after)):
             self.close()
             self._start()
         proc = self._proc
-        req = {"kernel": spec.name, "shape": shape, "so": so, "seed": seed,
-               "min_time_s": min_time_s, "max_reps": max_reps, "act": act}
         timeout = timeout_s or self.timeout_s
         try:
             proc.stdin.write(json.dumps(req) + "\n")
@@ -110,17 +140,9 @@ class Runner:
             return Measurement.failed(f"hung: no result within {timeout:.0f}s; worker killed")
         if not line:
             return self._died(proc)
-        self._loaded.add(so)
-        reply = json.loads(line)
-        if not reply["ok"]:
-            return Measurement(ok=False, reason=reply["reason"], max_abs_err=reply.get("max_abs_err"))
-        ms, cv, used, name = estimate(reply["wall_ms"], reply["nivcsw"])
-        return Measurement(
-            ok=True, ms=ms, cv=cv, reps=len(reply["wall_ms"]), reps_used=used, estimator=name,
-            cpu_ms=float(np.median(reply["cpu_ms"])), nivcsw=int(sum(reply["nivcsw"])),
-            max_abs_err=reply["max_abs_err"], wall_ms=reply["wall_ms"], t0=reply["t0"], t1=reply["t1"],
-            calls=reply["calls"],
-        )
+        if so is not None:
+            self._loaded.add(so)
+        return json.loads(line)
 
     def _readline(self, proc: subprocess.Popen, timeout: float) -> str | None:
         """A line, "" on EOF (the worker died), None on timeout."""
@@ -166,10 +188,22 @@ def compare(spec: KernelSpec, outputs: list[np.ndarray], ref: list[np.ndarray]) 
     return {"ok": True, "max_abs_err": err}
 
 
+def _serve_twin(req: dict[str, Any]) -> dict[str, Any]:
+    from kernels.ort_twin import run_ort
+    from kernels.registry import get_spec
+
+    spec, shape = get_spec(req["kernel"]), req["shape"]
+    r = run_ort(spec, shape, spec.make_inputs(shape, np.random.default_rng(0)), threads=req["threads"],
+                min_time_s=req["min_time_s"])
+    return {"ok": True, "ms": r.ms, "cv": r.cv}
+
+
 def _serve_one(req: dict[str, Any]) -> dict[str, Any]:
     from kernels.abi import AbiMismatch, KernelError, KernelLibrary
     from kernels.registry import get_spec
 
+    if req.get("twin"):
+        return _serve_twin(req)
     spec = get_spec(req["kernel"])
     shape, act = req["shape"], req.get("act", "none")
     inputs, ref = _case(spec, shape, req["seed"])

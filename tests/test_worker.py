@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -135,14 +136,33 @@ def test_bench_bad_input_exits_2(args, needle):
 
 
 def test_bench_json_fields():
-    import json
-
     p = _cli("bench", "gemm", "--workload", "kws_dscnn.pw4", "--default", "--ort", "--json")
     assert p.returncode == 0, p.stderr
     row = json.loads(p.stdout)
     for k in ("kernel", "workload", "config", "ms", "cv", "reps_used", "ok", "max_abs_err", "ort_ms", "gflops", "roofline"):
         assert k in row
     assert row["ok"] and row["ms"] > 0 and row["ort_ms"] > 0 and row["gflops"] > 0
+
+
+def test_the_onnx_twin_runs_in_the_worker_not_beside_the_model():
+    """onnxruntime (~55 MB with its arena and session) is timed in the measuring worker: a tuning session's own
+    process, the one holding the tuner model, never loads it, and the result still carries the twin's time."""
+    code = ("import atexit, sys; atexit.register(lambda: print('ORT LOADED:', 'onnxruntime' in sys.modules, "
+            "file=sys.stderr)); from edgetune.main import main; sys.argv = ['edgetune', *sys.argv[1:]]; main()")
+    p = subprocess.run([sys.executable, "-c", code, "tune", "--kernel", "gemm", "--workload", "kws_dscnn.pw4",
+                        "--budget", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["results"][0]["ort_ms"] > 0
+    assert "ORT LOADED: False" in p.stderr
+
+
+def test_a_twin_that_hangs_is_a_failed_measurement_not_a_stuck_caller(hw):
+    """The twin goes through the same request as a variant, so a hang is killed at the timeout."""
+    with Runner() as r:
+        m = r.time_twin(get_spec("gemm"), {"M": 2048, "N": 2048, "K": 2048}, threads=1, min_time_s=60, timeout_s=1)
+        assert not m.ok and "hung" in m.reason
+        ok = r.time_twin(get_spec("gemm"), {"M": 8, "N": 16, "K": 32}, threads=1, min_time_s=0.01)
+        assert ok.ok and ok.ms > 0  # the next request gets a fresh worker
 
 
 def test_the_worker_times_variants_beside_no_threads_of_its_own(hw):

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
+from edgetune.errors import EdgetuneError
 from kernels.build import CompileError, build_many
 from kernels.measure import Measurement
 from kernels.space import Config, SearchSpace, config_key
@@ -185,12 +186,10 @@ class Measured(_Batches):
             self._add("measure_s", t0)
 
     def ort_ms(self) -> float | None:
-        import numpy as np
-
-        from kernels.ort_twin import run_ort
-
-        return run_ort(self.spec, self.shape, self.spec.make_inputs(self.shape, np.random.default_rng(0)),
-                       threads=self.hw.cores, min_time_s=self.min_time_s).ms
+        m = self.runner.time_twin(self.spec, self.shape, threads=self.hw.cores, min_time_s=self.min_time_s)
+        if not m.ok:
+            raise EdgetuneError(f"the ONNX twin did not run: {m.reason}")
+        return m.ms
 
 
 @dataclass(kw_only=True)
