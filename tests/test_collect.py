@@ -240,3 +240,17 @@ def test_records_of_another_kernel_version_are_left_out_of_training(tmp_path):
     assert n == len(recs) and sorted(c.shape["T"] for c in cases.values()) == [21, 22]
     rows = [r for r in read_rows(REPO / "quantized_models" / "data" / "runs.jsonl.gz") if r.get("kind") == "m"][:1]
     assert rows[0]["source_hash"] == get_spec(rows[0]["kernel"]).source_hash()  # the committed journal: kept
+
+
+def test_rows_of_an_earlier_source_with_the_same_generic_code_stay_in_training():
+    """dwconv_3x3's source changed only for builds that bake a workload's dims; the collector's builds bake none and
+    compile to the same code, so the committed journal's dwconv rows (recorded under the earlier hash) still count,
+    and every bundled kernel keeps its cases. The alias is keyed by the current source: another change drops it."""
+    from kernels.registry import all_specs
+    from tuner.train.data import DEFAULT_DATA, SAME_GENERIC_CODE, current_kernel, load_collector
+
+    dw = all_specs()["dwconv_3x3"]
+    (old,) = SAME_GENERIC_CODE[dw.source_hash()]
+    assert old != dw.source_hash() and current_kernel("dwconv_3x3", old, dw.default)
+    assert not current_kernel("gemm", old, all_specs()["gemm"].default)  # an alias of one kernel's source only
+    assert {c.kernel for c in load_collector(DEFAULT_DATA).values()} == set(all_specs())
