@@ -1,8 +1,8 @@
 """One tune in a child process (`python -m daemon.tunejob`), so the long-lived daemon stays small and safe.
 
-Tuning loads onnxruntime (the ORT twin), grows numpy buffers and drives compilers; none of that can be unloaded
-from a process afterwards, and a crash in it must not take the daemon down. So the daemon runs each workload's
-tune here and keeps only what it reports.
+Tuning loads the tuner model, grows numpy buffers and drives compilers and a measuring worker (which also runs
+the ORT twin); none of that can be unloaded from a process afterwards, and a crash in it must not take the daemon
+down. So the daemon runs each workload's tune here and keeps only what it reports.
 
 Protocol: the daemon writes one JSON request line to stdin; the child writes JSON lines to stdout:
 {"progress": [done, total, message]} per measurement, then one of {"result": TuneResult}, {"error": reason} or

@@ -156,7 +156,7 @@ def test_the_onnx_twin_runs_in_the_worker_not_beside_the_model():
     assert "ORT LOADED: False" in p.stderr
 
 
-def test_a_twin_that_hangs_is_a_failed_measurement_not_a_stuck_caller(hw):
+def test_a_twin_that_hangs_is_a_failed_measurement_not_a_stuck_caller():
     """The twin goes through the same request as a variant, so a hang is killed at the timeout."""
     with Runner() as r:
         m = r.time_twin(get_spec("gemm"), {"M": 2048, "N": 2048, "K": 2048}, threads=1, min_time_s=60, timeout_s=1)
