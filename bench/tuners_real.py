@@ -7,6 +7,8 @@ For every layer of bench/real_layers.toml (shapes the tuner model never trained 
    a run that measures something faster, confirmed in rounds of its own (step 4), makes that the reference of
    later runs.
 2. Every strategy tunes the layer from a cold build cache through the real Session (compile, worker, finalists),
+   each on a results DB of its own, which holds its winners on the layers before (the device's winners that an
+   llm session's first batch draws on; a `--resume` starts that history afresh),
    with a budget of the largest of `--budgets`, spent whole (no patience stop): `llm`, `anneal`, `random`, Optuna
    TPE and Kernel Tuner (bench/peer_tuners.py). Where a strategy said it had converged (llm) is kept: a session
    without an explicit budget stops there, and "auto" reports that session (its evals, quality and wall time).
@@ -342,23 +344,42 @@ def run_dict(r: Run) -> dict:
 
 # ---- main -------------------------------------------------------------------------------------------------
 
-def run_layer(sess, runner, td: Path, i: int, spec: KernelSpec, wl: Workload, strategies: list[str],
-              a: argparse.Namespace, refs: dict, refs_path: Path) -> dict:
+class ArmSessions(dict):
+    """A Session per arm (and one for the reference search), each on its own results DB, as on a device that runs
+    that one strategy over the layers in order: what an arm's session finds of the device's earlier winners
+    (`Strategy.warm_start`) is its own, never the reference search's or another arm's."""
+
+    def __init__(self, td: Path, runner, hw):
+        super().__init__()
+        self.td, self.runner, self.hw = td, runner, hw
+
+    def __missing__(self, arm: str):
+        from tuner.db import ResultsDB
+        from tuner.session import Session
+
+        db = ResultsDB(self.td / f"{re.sub(r'[^A-Za-z0-9_.=-]', '_', arm)}.db")
+        self[arm] = sess = Session(db, self.runner, self.hw, ort_twin=False)
+        return sess
+
+
+def run_layer(sessions: ArmSessions, runner, td: Path, i: int, spec: KernelSpec, wl: Workload,
+              strategies: list[str], a: argparse.Namespace, refs: dict, refs_path: Path) -> dict:
     """One layer: its reference, every strategy's cold session, the side-by-side rounds."""
     load = os.getloadavg()[0]
     t0 = time.time()
     _cold(td, "ref")
-    ref = reference(sess, spec, wl, a.ref_evals, refs, refs_path)
+    hw = sessions.hw
+    ref = reference(sessions["ref"], spec, wl, a.ref_evals, refs, refs_path)
     runs = []
     for s in strategies:
         _cold(td, f"{i}-{s}")
         try:
-            runs.append(tune(sess, spec, wl, s, a.budget, a.seed))
+            runs.append(tune(sessions[s], spec, wl, s, a.budget, a.seed))
         except Exception as e:  # one peer failing on one layer must not sink the comparison
             print(f"  {s} failed on {spec.name}/{wl.name}: {type(e).__name__}: {e}", file=sys.stderr)
     os.environ["CACHE_DIRECTORY"] = str(td / "warm")
-    info = judge(runner, sess.hw, spec, wl, ref, runs, a.rounds, seed=i, budget=a.budget)
-    improve_reference(refs, ref_key(sess.hw, spec, wl), info, refs_path)
+    info = judge(runner, hw, spec, wl, ref, runs, a.rounds, seed=i, budget=a.budget)
+    improve_reference(refs, ref_key(hw, spec, wl), info, refs_path)
     return {"kernel": spec.name, "workload": wl.name, "shape": wl.shape, "reference": ref, "load1": load,
             "load1_end": os.getloadavg()[0], "seconds": time.time() - t0, **info,
             "runs": {r.strategy: run_dict(r) for r in runs}}
@@ -401,8 +422,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from hwprobe import probe
     from kernels.worker import Runner
-    from tuner.db import ResultsDB
-    from tuner.session import Session
 
     strategies = [s.replace("+", ",") if ":" in s else s for s in a.strategies.split(",") if s]
     layers = load_layers(Path(a.layers), [k for k in a.kernels.split(",") if k], a.per_kernel,
@@ -419,11 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.time()
     with tempfile.TemporaryDirectory(prefix="et-real-") as tdir, Runner() as runner:
         td = Path(tdir)
-        sess = Session(ResultsDB(td / "bench.db"), runner, hw, ort_twin=False)
+        sessions = ArmSessions(td, runner, hw)
         for i, (spec, wl) in enumerate(layers):
             if (spec.name, wl.name) in done:
                 continue
-            row = run_layer(sess, runner, td, i, spec, wl, strategies, a, refs, refs_path)
+            row = run_layer(sessions, runner, td, i, spec, wl, strategies, a, refs, refs_path)
             rows.append(row)
             print(f"[{i + 1}/{len(layers)}] {spec.name}/{wl.name}: "
                   + "  ".join(f"{n} " + "/".join(f"{r['quality'].get(b) or float('nan'):.2f}" for b in BUDGETS

@@ -18,8 +18,8 @@ from kernels.registry import get_spec
 from kernels.space import config_key
 from tuner.db import ResultsDB
 from tuner.strategies.llm import (
-    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, PATIENCE, RETEST_WITHIN, STRATEGY_VERSION, LLMStrategy, _PROPOSERS,
-    evidence_bias, hedged,
+    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, PATIENCE, RETEST_WITHIN, STRATEGY_VERSION, WARM, LLMStrategy, _PROPOSERS,
+    evidence_bias, hedged, shape_distance,
 )
 from tuner.model.inference import default_model_path
 from tuner.session import Budget, Session
@@ -311,6 +311,17 @@ def test_the_tune_table_and_report_say_when_llm_fell_back_to_anneal(tmp_path):
     assert row["strategy"] == "llm" and row["strategy_version"].endswith("-anneal-fallback")
 
 
+def _far_apart(space, taken: list, n: int, vec: int) -> list:
+    """n sampled configs with this vector width, each four or more knob steps from `taken` and from each other."""
+    far: list = []
+    for c in space.sample(400, random.Random(1)):
+        if c["vec"] == vec and all(space.distance(c, o) >= 4 for o in [*taken, *far]):
+            far.append(c)
+        if len(far) == n:
+            break
+    return far
+
+
 def test_a_hedge_gives_up_a_near_duplicate_rather_than_a_diverse_pick(hw):
     """The config an always-hedged knob's swap costs is the one nearest another config of the batch (a
     near-duplicate of the top pick tells little), so the diverse picks stay, the last one included."""
@@ -318,16 +329,69 @@ def test_a_hedge_gives_up_a_near_duplicate_rather_than_a_diverse_pick(hw):
     s = LLMStrategy(space, 0, kernel=GEMM, always_hedge=("vec",))
     top = s._propose(1)[0][0]
     twin = next(c for c in space.neighbours(top) if c["vec"] == top["vec"])
-    far: list = []
-    for c in space.sample(400, random.Random(1)):
-        if c["vec"] == top["vec"] and all(space.distance(c, o) >= 4 for o in [top, twin, *far]):
-            far.append(c)
-        if len(far) == 2:
-            break
+    far = _far_apart(space, [top, twin], 2, vec=top["vec"])
     batch = [top, far[0], twin, far[1]]
-    out = s._always_hedged(batch)
+    out = s._always_hedged(batch, {0})
     assert out[0] == top and len(out) == 4 and len({c["vec"] for c in out}) == 2, out
     assert [c for c in batch if c not in out] == [twin]
+
+
+def test_the_first_batch_holds_one_of_the_devices_earlier_winners(hw):
+    """One slot of the first batch goes to a winner the device tuned before (valid here, not already in the batch),
+    in place of a near-duplicate: the top pick and the hedges stay. By default the model picks among them; with
+    `warm="nearest"` the nearest shape's; with `warm="off"` none. A winner the space cannot take (unknown knob, a
+    value out of range, a broken constraint) is passed over."""
+    wl = GEMM.workload("mobilenetv2.b2.expand")
+    space = GEMM.space(wl.shape, hw)
+    plain = LLMStrategy(space, 0, kernel=GEMM).ask(DEFAULT_K)
+    others = [c for c in space.sample(300, random.Random(3)) if c not in plain]
+    near, far = others[0], others[1]
+    bad_knob = {**near, "nosuch": 1}
+    bad_value = {**near, "vec": 3}
+    rng = random.Random(5)
+    broken = next(c for c in ({p.name: rng.choice(p.values) for p in space.params} for _ in range(5000))
+                  if not space.is_valid(c))
+    known = [({**wl.shape, "M": wl.shape["M"] * 8}, far), ({**wl.shape, "M": wl.shape["M"] * 2}, near),
+             (wl.shape, bad_knob), (wl.shape, bad_value), (wl.shape, broken)]
+
+    def first(warm: str, known=known):
+        s = LLMStrategy(space, 0, kernel=GEMM, warm=warm)
+        s.warm_start(known)
+        return s.ask(DEFAULT_K)
+
+    got = first("nearest")
+    assert len(got) == DEFAULT_K and got[0] == plain[0] and near in got and far not in got, got
+    assert len([c for c in plain if c not in got]) == 1
+    assert sum(len({c[k] for c in got}) >= 2 for k in ALWAYS_HEDGE if k in space.names) \
+        == sum(len({c[k] for c in plain}) >= 2 for k in ALWAYS_HEDGE if k in space.names)
+    assert first("off") == plain
+    assert first("nearest", known=[(wl.shape, plain[2]), (wl.shape, bad_value)]) == plain  # nothing new to add
+    by_model = first(WARM)
+    assert WARM == "model" and len(by_model) == DEFAULT_K and by_model[0] == plain[0]
+    assert len({config_key(c) for c in by_model} & {config_key(near), config_key(far)}) == 1
+    with pytest.raises(ValueError, match="warm='sideways'"):
+        LLMStrategy(space, 0, kernel=GEMM, warm="sideways")
+
+
+def test_the_devices_winner_never_takes_the_slot_of_a_hedge(hw):
+    """The known winner replaces a near-duplicate, but not the one config that holds the other value of an
+    always-hedged knob, even when that config is the batch's nearest to another."""
+    space = GEMM.space(GEMM.workload("mobilenetv2.b2.expand").shape, hw)
+    s = LLMStrategy(space, 0, kernel=GEMM, always_hedge=("vec",), warm="nearest")
+    top = s._propose(1)[0][0]
+    alt = next(c for c in space.neighbours(top) if c["vec"] != top["vec"])  # one step away: the nearest pair
+    far = _far_apart(space, [top, alt], 3, vec=top["vec"])
+    batch = [top, alt, *far[:2]]
+    s.warm_start([(space.shape, far[2])])
+    out = s._with_known_winner(batch, {0})
+    assert out[0] == top and alt in out and far[2] in out and len(out) == 4, out
+
+
+def test_shape_distance_is_the_sum_of_log_size_ratios():
+    assert shape_distance({"M": 4, "N": 8}, {"M": 4, "N": 8}) == 0
+    assert shape_distance({"M": 2, "N": 8}, {"M": 8, "N": 2}) == pytest.approx(2 * math.log(4))
+    assert shape_distance({"M": 2, "act": "relu"}, {"M": 2, "act": "none"}) == 1.0
+    assert shape_distance({"M": 2}, {"M": 2, "K": 3}) == 1.0
 
 
 @pytest.mark.parametrize("kernel, workload", [("logmel", "kws.logmel"), ("gemm", "mobilenetv2.b2.expand")])

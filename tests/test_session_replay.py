@@ -57,6 +57,26 @@ def test_budget_finals_and_cache(hw):
     assert again.cached and again.session_id == r.session_id
 
 
+def test_a_session_hands_its_strategy_the_devices_earlier_winners(hw):
+    """Before its first ask, a strategy is told this device's winners of the kernel from sessions that finished
+    before this one began (`Strategy.warm_start`): here the earlier tune's winner of the same shape."""
+    from tuner.strategies import RandomSearch
+
+    space = GEMM.space(SMALL.shape, hw)
+    universe, table = _table(space, _by_distance(space))
+    s = _session(universe, table)
+    told: list[list] = []
+
+    class Recording(RandomSearch):
+        def warm_start(self, known):
+            told.append(list(known))
+
+    s.tune(GEMM, SMALL, strategy_obj=Recording(universe, 0), budget=Budget(evals=3, patience=None))
+    first = s.db.active_entry("gemm", SMALL.name)["config"]
+    s.tune(GEMM, SMALL, strategy_obj=Recording(universe, 1), budget=Budget(evals=3, patience=None), force=True)
+    assert told == [[], [(SMALL.shape, first)]]
+
+
 def test_patience_stops_a_search_that_stopped_improving(hw):
     space = GEMM.space(SMALL.shape, hw)
     universe, table = _table(space, lambda c: 1.0)  # every config ties: nothing ever improves on the first

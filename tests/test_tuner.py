@@ -30,7 +30,7 @@ from tuner.evaluate import interleave_plan
 from tuner.grammar import GrammarError, export_grammar, validate
 from tuner.resultkey import ResultKey, result_key
 from tuner.session import Budget, Session, interleave_seed
-from tuner.strategies import Anneal, Exhaustive, RandomSearch, make_strategy
+from tuner.strategies import Anneal, Exhaustive, RandomSearch, Strategy, make_strategy
 
 GEMM = get_spec("gemm")
 SMALL = GEMM.workload("kws_dscnn.fc")
@@ -310,23 +310,18 @@ def test_a_session_leaves_the_build_cache_within_its_cap(hw, runner, tmp_path, m
     assert not list((tmp_path / "cache" / "builds").glob("*.so"))
 
 
-class _ListStrategy:
+class _ListStrategy(Strategy):
     """Asks a fixed list: lets a test put known-bad variants in front of the session."""
 
     name, version = "list", "1"
 
-    def __init__(self, cfgs):
+    def __init__(self, space, cfgs):
+        super().__init__(space)
         self.cfgs = list(cfgs)
 
     def ask(self, n):
         out, self.cfgs = self.cfgs[:n], self.cfgs[n:]
         return out
-
-    def converged(self):
-        return False
-
-    def tell(self, cfg, m):
-        pass
 
 
 def test_failed_variants_recorded_and_never_chosen(hw, runner, tmp_path):
@@ -337,7 +332,8 @@ def test_failed_variants_recorded_and_never_chosen(hw, runner, tmp_path):
     spec = dataclasses.replace(GEMM, source=src)
     cfgs = [{**GEMM.default, "mr": 1}, {**GEMM.default, "mr": 1, "kc": 32}, {**GEMM.default, "mr": 2}]
     db = ResultsDB()
-    r = Session(db, runner, hw).tune(spec, SMALL, strategy_obj=_ListStrategy(cfgs), budget=Budget(evals=3))
+    r = Session(db, runner, hw).tune(spec, SMALL, strategy_obj=_ListStrategy(spec.space(SMALL.shape, hw), cfgs),
+                                     budget=Budget(evals=3))
     assert r.config["mr"] != 1 and r.failed == 2
     failed = [m for m in db.measurements(r.session_id, "search") if not m["ok"]]
     assert len(failed) == 2 and all("SIGSEGV" in m["reason"] for m in failed)
@@ -422,6 +418,36 @@ def test_foreign_sqlite_db_is_refused(tmp_path):
     con.close()
     with pytest.raises(DBError, match="not an edgetune results DB"):
         ResultsDB()
+
+
+def test_the_devices_winners_are_the_latest_per_shape_of_its_own_kernel_hw_and_objective():
+    """`winners` serves the warm start: this kernel's done sessions on this hardware, ISA and objective, the latest
+    per shape, newest first, and only those that finished before `before` (a session's start, so a resumed
+    session reads the same list)."""
+    db = ResultsDB()
+
+    def done(shape: dict, config: dict, kernel: str = "gemm", hw: str = "h", objective: str = "latency",
+             state: str = "done") -> float:
+        rkey = ResultKey(kernel, "s", "w", json.dumps(shape, sort_keys=True), hw, "i", "c", "random", "1", objective)
+        sid = db.open_session(rkey, "f", {}, "test").id
+        if state == "done":
+            db.finish_session(sid, "done", {"config": config})
+        else:
+            db.fail_session(sid, "broke")
+        return db.session_info(sid)["finished_at"]
+
+    done({"M": 1}, {"vec": 4})
+    done({"M": 2}, {"vec": 8})
+    t = done({"M": 1}, {"vec": 16})  # a retune of M=1: the newer winner counts
+    done({"M": 3}, {"vec": 2}, kernel="conv1d")
+    done({"M": 3}, {"vec": 2}, hw="other")
+    done({"M": 3}, {"vec": 2}, objective="energy")
+    done({"M": 4}, {"vec": 2}, state="failed")
+    late = done({"M": 5}, {"vec": 32})
+    assert db.winners("gemm", "h", "i", "latency", before=late) == [({"M": 1}, {"vec": 16}), ({"M": 2}, {"vec": 8})]
+    assert db.winners("gemm", "h", "i", "latency", before=t) == [({"M": 2}, {"vec": 8}), ({"M": 1}, {"vec": 4})]
+    assert db.winners("gemm", "h", "i", "latency", before=late + 1)[0] == ({"M": 5}, {"vec": 32})
+    assert db.winners("gemm", "h", "i", "energy", before=late) == [({"M": 3}, {"vec": 2})]
 
 
 def test_full_disk_keeps_db_intact(hw):

@@ -116,7 +116,7 @@ class ResultsDB(Store):
         return self._session(r) if r else None
 
     def open_session(self, rkey: ResultKey, fw_fingerprint: str, params: dict, origin: str) -> SessionRow:
-        key = rkey.digest()
+        key, now = rkey.digest(), time.time()
         with self.tx() as c:
             cur = c.execute(
                 "INSERT INTO sessions (key, kernel, workload, shape_json, hw_fingerprint, fw_fingerprint, source_hash,"
@@ -124,8 +124,8 @@ class ResultsDB(Store):
                 " started_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,'running',?)",
                 (key, rkey.kernel, rkey.workload, rkey.shape_json, rkey.hw_fingerprint, fw_fingerprint,
                  rkey.source_hash, rkey.isa, rkey.compiler_id, rkey.strategy, rkey.strategy_version, rkey.objective,
-                 rkey.model_version, json.dumps(params, sort_keys=True), origin, time.time()))
-        return SessionRow(cur.lastrowid, key, "running", params, time.time(), None, rkey)
+                 rkey.model_version, json.dumps(params, sort_keys=True), origin, now))
+        return SessionRow(cur.lastrowid, key, "running", params, now, None, rkey)
 
     def finish_session(self, session_id: int, state: str, result: dict) -> None:
         with self.tx() as c:
@@ -158,6 +158,20 @@ class ResultsDB(Store):
                          r["compiler_id"], r["strategy"], r["strategy_version"], r["objective"], r["model_version"])
         return SessionRow(r["id"], r["key"], r["state"], json.loads(r["params_json"]), r["started_at"],
                           json.loads(r["result_json"]) if r["result_json"] else None, rkey)
+
+    def winners(self, kernel: str, hw_fingerprint: str, isa: str, objective: str, before: float
+                ) -> list[tuple[dict, dict]]:
+        """(shape, config) of this device's tuned winners of `kernel` (the latest per shape, newest first), from
+        sessions that finished before `before`: a session's own start, so a resumed session sees the same list."""
+        rows = self.query("SELECT shape_json, result_json FROM sessions WHERE kernel=? AND hw_fingerprint=? AND isa=? "
+                          "AND objective=? AND state='done' AND finished_at<? ORDER BY finished_at DESC",
+                          (kernel, hw_fingerprint, isa, objective, before))
+        out: dict[str, dict] = {}
+        for r in rows:
+            config = json.loads(r["result_json"] or "{}").get("config")
+            if isinstance(config, dict):
+                out.setdefault(r["shape_json"], config)
+        return [(json.loads(shape), config) for shape, config in out.items()]
 
     def session_info(self, session_id: int) -> dict:
         r = self.query_one("SELECT * FROM sessions WHERE id=?", (session_id,))

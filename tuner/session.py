@@ -184,13 +184,16 @@ class Session:
                 return res
         params = {"seed": seed, "evals": budget.evals, "seconds": budget.seconds, "patience": budget.patience}
         sess = self._session(spec, wl, rkey, params, origin)
+        known = self.db.winners(spec.name, self.hw.hw_fingerprint, self.hw.isa, objective.name, sess.started_at)
+        strat.warm_start(known)
         with self._failed_on_error(sess.id):
             journal = {m["seq"]: m for m in self.db.measurements(sess.id, "search")}
             t0 = time.monotonic() - (self._elapsed(journal))
             self.timing = {"strategy_s": 0.0}
             search = _Search(strat, ev, space, sess.id, journal, objective,
                              relearned=objective.fallback_reason is not None)
-            remake = None if strategy_obj else (lambda: make_strategy(strategy, space, seed, kernel=spec))
+            remake = None if strategy_obj else (lambda: warmed(make_strategy(strategy, space, seed, kernel=spec),
+                                                              known))
             self._search(search, budget, t0, batch or max(1, self.hw.cores), f"{spec.name}/{wl.name}", progress,
                          remake)
             result = self._finish(ev, spec, wl, space, search.strat, sess.id, key, search.evals, t0, objective)
@@ -347,6 +350,11 @@ class Session:
         except Exception as e:  # the twin is a peer, not a requirement for tuning
             log.warning("ORT twin of %s/%s failed: %s", spec.name, wl.name, e)
             return None
+
+
+def warmed(strat: Strategy, known: list[tuple[dict, Config]]) -> Strategy:
+    strat.warm_start(known)
+    return strat
 
 
 def interleave_seed(session_id: int, phase: str) -> str:

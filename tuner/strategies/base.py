@@ -40,6 +40,11 @@ class Strategy(abc.ABC):
     def ask(self, n: int) -> list[Config]:
         """Up to n new configs; fewer (or none) when the strategy has nothing left to try."""
 
+    def warm_start(self, known: list[tuple[dict, Config]]) -> None:
+        """This device's tuned winners of the same kernel, (shape, config), newest first (the results DB's, before
+        the session began; the session passes them once, before the first `ask`). A strategy that can use what the
+        device already learned on other shapes does; the classical ones start from their own state."""
+
     def converged(self) -> bool:
         """Whether the search has found what it can expect to: a session without an explicit budget stops here.
         Classical strategies cannot tell, and run to the budget or the session's patience."""

@@ -7,7 +7,10 @@
    this prompt) each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the
    vector width, gru's parallel split and the register tile's width are hedged however sure the model is, since
    there a model can be sure and wrong by 1.2-2x (ALWAYS_HEDGE). Such a hedge costs the config nearest another one
-   of the batch (a near-duplicate tells least), not a diverse pick.
+   of the batch (a near-duplicate tells least), not a diverse pick. One more such slot goes to a winner this
+   device found before on another shape of the kernel (the results DB's, `warm_start`; on a retune, the shape's
+   own last one too), the one the model ranks first among them: on silicon the model never saw, the device's own
+   history holds configs the model's pool misses.
 2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
    relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
    a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
@@ -38,6 +41,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgetune.errors import BadInput
 from kernels.measure import TIE_THRESHOLD, Measurement
 from kernels.space import Config, SearchSpace, config_key, table_predicate
 from tuner.strategies.anneal import Anneal
@@ -49,7 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FALLBACK_SUFFIX = "-anneal-fallback"  # on the version of a session that ran anneal for want of a usable model
-STRATEGY_VERSION = "9"  # bumped when the first batch or the steering changes: results are keyed by it
+STRATEGY_VERSION = "10"  # bumped when the first batch or the steering changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
@@ -80,6 +84,13 @@ EXPLORE_AWAY = 3  # knob steps a pooled config is at least from the incumbent
 # 1.027 vs 1.023); in all three a log-mel layer whose fv=1 hedge also changed fft and vec went 1.18-1.36 -> 0.95-1.00
 # at 10, and a conv1d whose nv=2 hedge also changed mr, mb and order 1.15-1.27 -> 0.97-0.99
 RETEST_WITHIN = 2.0
+
+# which of the device's earlier winners of the kernel takes a first-batch slot (warm_start): the model's pick among
+# them. On 35 real layers of the unseen Intel host, tuned in order (each layer sees the arm's own winners on the
+# layers before it), side by side with none: @5 geomean 1.059 / 63% within 5% vs 1.087 / 54% and 1.052 / 69% vs
+# 1.069 / 60% in two seeds (@20 1.017 vs 1.036 and 1.031 vs 1.029); the nearest shape's winner: 1.075 / 60%
+WARM = "model"
+WARM_CHOICES = ("nearest", "model", "off")
 
 _PROPOSERS: dict[str, Any] = {}  # path -> Proposer (or the ModelError it raised): load a model once per process
 
@@ -141,6 +152,19 @@ def hedged(ranked: list[tuple[Config, float]], k: int, space: SearchSpace) -> li
     return picked
 
 
+def shape_distance(a: dict, b: dict) -> float:
+    """How far apart two shapes of a kernel are: the sum of |log| ratios of their sizes (a dim missing, zero or not
+    a number on either side counts as a factor e apart)."""
+    out = 0.0
+    for d in set(a) | set(b):
+        x, y = a.get(d), b.get(d)
+        if x == y:
+            continue
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (x, y))
+        out += abs(math.log(x / y)) if ok else 1.0
+    return out
+
+
 def best_by_value(history: list[tuple[Config, float]], name: str) -> dict[Any, float]:
     """Value of knob `name` -> the best time among the measured configs holding it."""
     by: dict[Any, float] = {}
@@ -173,7 +197,7 @@ class LLMStrategy(Strategy):
                  model_path: Path | None = None, proposer: Any = None, patience: int = PATIENCE,
                  evidence: float = EVIDENCE_WEIGHT, history: bool = True,
                  always_hedge: tuple[str, ...] = ALWAYS_HEDGE, hedge_pool: int = HEDGE_POOL, rescore: bool = True,
-                 retest: bool = True):
+                 retest: bool = True, warm: str = WARM):
         super().__init__(space, seed, kernel=kernel)
         self.k = k
         self.patience = patience
@@ -184,6 +208,10 @@ class LLMStrategy(Strategy):
         self.rescore = rescore  # that pool in the scorer's order (False: the model's own)
         self.retest = retest  # local steps first test each hedged value on the incumbent itself
         self.retested: set[tuple[str, Any]] = set()  # (knob, value) so tested: once per session
+        if warm not in WARM_CHOICES:
+            raise ValueError(f"llm: warm={warm!r} is not one of {', '.join(WARM_CHOICES)}")
+        self.warm = warm  # which of the device's winners on other shapes joins the first batch
+        self.known: list[tuple[dict, Config]] = []  # those winners (warm_start)
         self.fallback: Anneal | None = None  # no usable model: plain anneal
         self.refiner: Anneal | None = None  # the model has nothing left to propose: local search, same patience
         self.proposer = None
@@ -272,30 +300,71 @@ class LLMStrategy(Strategy):
         self.calls[-1] = (self.calls[-1][0] + wall, self.calls[-1][1] + cpu)
         return [ranked[i] for i in sorted(range(len(ranked)), key=lambda i: pred[i])]
 
-    def _always_hedged(self, batch: list[Config]) -> list[Config]:
-        """The batch, with a config swapped (one per knob) for the model's best one holding another value of each
-        always-hedged knob that the batch lacks (when the constraints allow one). The model's top pick and the
-        hedges stay; the one given up is the one nearest another config of the batch (the later one on a tie): a
-        near-duplicate of a kept config tells least, while a diverse pick may hold the region the model missed."""
-        fixed = {0}
+    def _always_hedged(self, batch: list[Config], fixed: set[int]) -> list[Config]:
+        """The batch, with a config swapped in (one per knob) for the model's best one holding another value of
+        each always-hedged knob that the batch lacks (when the constraints allow one)."""
         for name in self.always_hedge:
             if not batch or name not in self.space.names or len({c[name] for c in batch}) > 1:
                 continue
             top = batch[0][name]
             alt = self._propose(1, extra=lambda c, n=name, v=top: n not in c or c[n] != v, exclude=self.seen | {
                 config_key(c) for c in batch})
-            if not alt:
-                continue
-            free = [i for i in range(len(batch)) if i not in fixed]
-            if free:
-                slot = min(free, key=lambda i: (min(self.space.distance(batch[i], c)
-                                                    for j, c in enumerate(batch) if j != i), -i))
-                batch = batch[:slot] + [alt[0][0]] + batch[slot + 1:]
-            else:
-                slot = len(batch)
-                batch = batch + [alt[0][0]]
-            fixed.add(slot)
+            if alt:
+                batch = self._swap_in(batch, fixed, alt[0][0])
         return batch
+
+    def _swap_in(self, batch: list[Config], fixed: set[int], cfg: Config) -> list[Config]:
+        """The batch with `cfg` in place of the config nearest another one of the batch (the later one on a tie),
+        among those not `fixed` (appended when all are); its slot joins `fixed`. The model's top pick and the
+        hedges stay: a near-duplicate of a kept config tells least, while a diverse pick may hold the region the
+        model missed."""
+        free = [i for i in range(len(batch)) if i not in fixed]
+        if not free:
+            fixed.add(len(batch))
+            return batch + [cfg]
+        slot = min(free, key=lambda i: (min(self.space.distance(batch[i], c) for j, c in enumerate(batch) if j != i),
+                                        -i))
+        fixed.add(slot)
+        return batch[:slot] + [cfg] + batch[slot + 1:]
+
+    def warm_start(self, known: list[tuple[dict, Config]]) -> None:
+        self.known = [] if self.warm == "off" else known
+
+    def _with_known_winner(self, batch: list[Config], fixed: set[int]) -> list[Config]:
+        """The batch with one of this device's winners on other shapes of the kernel (`warm_start`), valid here
+        and not already in it: the model's pick among them (`warm="model"`) or the nearest shape's
+        (`warm="nearest"`), in place of a near-duplicate, never of the top pick or a hedge."""
+        taken = {config_key(c) for c in batch}
+        valid = []
+        for shape, cfg in self.known:
+            try:
+                cfg = self.space.validate(cfg, complete=True)
+            except BadInput:
+                continue
+            if config_key(cfg) not in taken:
+                valid.append((shape, cfg))
+        if not valid:
+            return batch
+        if self.warm == "model":
+            got = self._propose(1, extra=table_predicate(self.space.names, [c for _, c in valid]))
+            pick = next((sc for sc in valid if got and sc[1] == got[0][0]), None)
+        else:
+            pick = min(valid, key=lambda sc: shape_distance(sc[0], self.space.shape))
+        if pick is None:
+            return batch
+        log.info("the first batch holds this device's winner on shape %s", pick[0])
+        return self._swap_in(batch, fixed | self._sole_hedges(batch), pick[1])
+
+    def _sole_hedges(self, batch: list[Config]) -> set[int]:
+        """Slots that alone hold another value of an always-hedged knob than the top pick's: giving one up would
+        undo that hedge."""
+        out = set()
+        for name in self.always_hedge:
+            if name in self.space.names:
+                others = [i for i, c in enumerate(batch) if c[name] != batch[0][name]]
+                if len(others) == 1:
+                    out.add(others[0])
+        return out
 
     def _local(self) -> Config | None:
         """The model's best unmeasured one-knob neighbour of the incumbent, a clean test of a hedged value first
@@ -346,7 +415,9 @@ class LLMStrategy(Strategy):
         if self.fallback is None and not self.started:
             self.started = True
             pool = self._rescored(self._propose(self.hedge_pool * self.k))
-            self.first = self._always_hedged(hedged(pool, self.k, self.space))
+            fixed = {0}
+            batch = self._always_hedged(hedged(pool, self.k, self.space), fixed)
+            self.first = self._with_known_winner(batch, fixed) if batch else batch
             if self.first:
                 return list(self.first)
         if self.fallback is not None:  # no usable model (from the start, or it failed mid-session)
