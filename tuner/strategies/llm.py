@@ -87,8 +87,9 @@ RETEST_WITHIN = 2.0
 
 # which of the device's earlier winners of the kernel takes a first-batch slot (warm_start): the model's pick among
 # them. On 35 real layers of the unseen Intel host, tuned in order (each layer sees the arm's own winners on the
-# layers before it), side by side with none: @5 geomean 1.059 / 63% within 5% vs 1.087 / 54% and 1.052 / 69% vs
-# 1.069 / 60% in two seeds (@20 1.017 vs 1.036 and 1.031 vs 1.029); the nearest shape's winner: 1.075 / 60%
+# layers before it), side by side with none: @5 geomean 1.059 / 63% within 5% vs 1.087 / 54%, 1.052 / 69% vs
+# 1.069 / 60% and 1.041 / 63% vs 1.058 / 66% in three seeds (@20 1.017 vs 1.036, 1.031 vs 1.029, 1.019 vs 1.034);
+# the nearest shape's winner instead: 1.075 / 60% (first seed)
 WARM = "model"
 WARM_CHOICES = ("nearest", "model", "off")
 
