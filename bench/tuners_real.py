@@ -121,11 +121,16 @@ def load_layers(path: Path, kernels: list[str], per_kernel: int | None,
 
 # ---- sessions ---------------------------------------------------------------------------------------------
 
+def plain_name(tag: str) -> str:
+    """An arm's tag (`llm:warm=off,k=3`) as a file name: only letters, digits and `_.=-`."""
+    return re.sub(r"[^A-Za-z0-9_.=-]", "_", tag)
+
+
 def _cold(td: Path, tag: str) -> None:
     """A fresh build cache for the next session: its compile time is real. The tag is made a plain name, since
     CACHE_DIRECTORY is cut at its first ':' (systemd's list) and `llm:k=5` would share `llm`'s builds. The
     precompiled header (kernels.pch) is shared: a device makes it once, not once per session."""
-    cold = td / "cold" / re.sub(r"[^A-Za-z0-9_.=-]", "_", tag)
+    cold = td / "cold" / plain_name(tag)
     (td / "pch").mkdir(exist_ok=True)
     cold.mkdir(parents=True, exist_ok=True)
     if not (cold / "pch").exists():
@@ -357,7 +362,7 @@ class ArmSessions(dict):
         from tuner.db import ResultsDB
         from tuner.session import Session
 
-        db = ResultsDB(self.td / f"{re.sub(r'[^A-Za-z0-9_.=-]', '_', arm)}.db")
+        db = ResultsDB(self.td / f"{plain_name(arm)}.db")
         self[arm] = sess = Session(db, self.runner, self.hw, ort_twin=False)
         return sess
 
