@@ -229,7 +229,7 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
     lead = min((k for k in keys if ratio[k] and k != rk), key=lambda k: ratio[k], default=None)
     faster = None
     if lead is not None and ratio[lead] < known * (1 - TIE_THRESHOLD):
-        faster = confirmed_ratio(ev, ref, wanted[lead], rounds, seed=f"{seed}:confirm")
+        faster = confirmed_ratio(ev, ref, wanted[lead], rounds, seed=f"{seed}:confirm", seen=ratio[lead] / known)
     best = known * faster if faster else known
     q = {k: (x / best if x else None) for k, x in ratio.items()}
     for r in runs:
@@ -247,16 +247,19 @@ def judge(runner, hw, spec: KernelSpec, wl: Workload, ref: Config, runs: list[Ru
             "compile_s": ev.timing.get("compile_s", 0.0)}
 
 
-def confirmed_ratio(ev: Evaluator, ref: Config, challenger: Config, rounds: int, seed: int | str = 0) -> float | None:
+def confirmed_ratio(ev: Evaluator, ref: Config, challenger: Config, rounds: int, seed: int | str = 0,
+                    seen: float = 0.0) -> float | None:
     """The challenger's time over the reference's in fresh shuffled rounds of the two alone (at least
-    CONFIRM_ROUNDS), when it is faster there beyond the noise threshold; None when it is not.
+    CONFIRM_ROUNDS), when it is faster there beyond the noise threshold; None when it is not. Its lead is the
+    smaller of that one and the one `seen` among all candidates: a short kernel's few rounds can fall inside a
+    burst of load, which once read a 5% lead as 4.7x, and the reference then kept the slower config for good.
 
     A lead seen among many candidates is partly the leader's luck: in one run's rounds of 35 candidates per layer
     (five strategies), the reference read within 5% of the fastest candidate on 18 of 35 layers; judged against
     only its own session's 10-12 candidates, on 24-27. So a lead is checked where no other candidate competes."""
     got = ev.interleave([ref, challenger], max(rounds, CONFIRM_ROUNDS), seed=seed)
     r = got.ratios_to(0)[1]
-    return r if r is not None and r < 1 - TIE_THRESHOLD else None
+    return max(r, seen) if r is not None and r < 1 - TIE_THRESHOLD else None
 
 
 def ratios_to_fastest(got) -> list[float | None]:

@@ -18,7 +18,7 @@ from kernels.registry import get_spec
 from kernels.space import config_key
 from tuner.db import ResultsDB
 from tuner.strategies.llm import (
-    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, PATIENCE, RETEST_WITHIN, STRATEGY_VERSION, WARM, LLMStrategy, _PROPOSERS,
+    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, PATIENCE, RETEST_WITHIN, SETTLE, STRATEGY_VERSION, WARM, LLMStrategy, _PROPOSERS,
     evidence_bias, hedged, shape_distance,
 )
 from tuner.model.inference import default_model_path
@@ -385,6 +385,30 @@ def test_the_devices_winner_never_takes_the_slot_of_a_hedge(hw):
     s.warm_start([(space.shape, far[2])])
     out = s._with_known_winner(batch, {0})
     assert out[0] == top and alt in out and far[2] in out and len(out) == 4, out
+
+
+def test_the_devices_winners_settle_a_hedge(hw):
+    """Where `settle` or more of the device's earlier winners of the kernel all hold the top pick's value of an
+    always-hedged knob, the first batch holds no other value of it: the model's own next config keeps that slot.
+    Fewer winners than `settle`, one winner with another value, or `settle=0` keep the hedge."""
+    space = GEMM.space(GEMM.workload("mobilenetv2.b2.expand").shape, hw)
+    sure = LLMStrategy(space, 0, kernel=GEMM, always_hedge=(), warm="off").ask(DEFAULT_K)
+    top = sure[0]
+    assert len({c["vec"] for c in sure}) == 1  # the model alone would not hedge vec on this shape
+    sample = space.sample(300, random.Random(3))
+    agree = [c for c in sample if c["vec"] == top["vec"] and c not in sure][:SETTLE]
+    other = next(c for c in sample if c["vec"] != top["vec"])
+
+    def widths(known: list, settle: int = SETTLE) -> set:
+        s = LLMStrategy(space, 0, kernel=GEMM, always_hedge=("vec",), settle=settle)
+        s.warm_start([(space.shape, c) for c in known])
+        got = s.ask(DEFAULT_K)
+        assert got[0] == top and len(got) == DEFAULT_K
+        return {c["vec"] for c in got}
+
+    assert SETTLE >= 2 and widths(agree) == {top["vec"]}
+    assert len(widths([])) == len(widths(agree[:SETTLE - 1])) == len(widths(agree + [other])) \
+        == len(widths(agree, settle=0)) == 2
 
 
 def test_shape_distance_is_the_sum_of_log_size_ratios():

@@ -10,7 +10,9 @@
    of the batch (a near-duplicate tells least), not a diverse pick. One more such slot goes to a winner this
    device found before on another shape of the kernel (the results DB's, `warm_start`; on a retune, the shape's
    own last one too), the one the model ranks first among them: on silicon the model never saw, the device's own
-   history holds configs the model's pool misses.
+   history holds configs the model's pool misses. That history also settles a hedge: where the device's earlier
+   winners of the kernel all hold the top pick's value of an always-hedged knob (SETTLE or more of them), the
+   batch keeps the model's next config instead of a config with the other value.
 2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
    relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
    a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FALLBACK_SUFFIX = "-anneal-fallback"  # on the version of a session that ran anneal for want of a usable model
-STRATEGY_VERSION = "10"  # bumped when the first batch or the steering changes: results are keyed by it
+STRATEGY_VERSION = "11"  # bumped when the first batch or the steering changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
@@ -92,6 +94,13 @@ RETEST_WITHIN = 2.0
 # the nearest shape's winner instead: 1.075 / 60% (first seed)
 WARM = "model"
 WARM_CHOICES = ("nearest", "model", "off")
+# an always-hedged knob is not hedged when at least this many of the device's earlier winners of the kernel
+# (warm_start) all hold the top pick's value of it (0: always hedged). On the unseen Intel host (AVX-512) the vector
+# width hedge came within 5% of the best known on 1 of 35 layers and ran over 1.2x on 30. On its 35 real layers in
+# order, side by side with the hedge kept: @5 geomean 1.030 / 68% within 5% vs 1.048 / 65%, 1.035 / 57% vs 1.050 /
+# 51%, 1.061 / 60% vs 1.067 / 57% in three seeds (@10 1.016 vs 1.048, 1.015 vs 1.024, 1.043 vs 1.063; the default
+# session's stop: 1.009 / 1.009 / 1.041 vs 1.038 / 1.016 / 1.064). 3 and more were not tried
+SETTLE = 2
 
 _PROPOSERS: dict[str, Any] = {}  # path -> Proposer (or the ModelError it raised): load a model once per process
 
@@ -198,7 +207,7 @@ class LLMStrategy(Strategy):
                  model_path: Path | None = None, proposer: Any = None, patience: int = PATIENCE,
                  evidence: float = EVIDENCE_WEIGHT, history: bool = True,
                  always_hedge: tuple[str, ...] = ALWAYS_HEDGE, hedge_pool: int = HEDGE_POOL, rescore: bool = True,
-                 retest: bool = True, warm: str = WARM):
+                 retest: bool = True, warm: str = WARM, settle: int = SETTLE):
         super().__init__(space, seed, kernel=kernel)
         self.k = k
         self.patience = patience
@@ -213,6 +222,7 @@ class LLMStrategy(Strategy):
             raise ValueError(f"llm: warm={warm!r} is not one of {', '.join(WARM_CHOICES)}")
         self.warm = warm  # which of the device's winners on other shapes joins the first batch
         self.known: list[tuple[dict, Config]] = []  # those winners (warm_start)
+        self.settle = settle  # that many winners agreeing with the top pick on an always-hedged knob settle it
         self.fallback: Anneal | None = None  # no usable model: plain anneal
         self.refiner: Anneal | None = None  # the model has nothing left to propose: local search, same patience
         self.proposer = None
@@ -308,11 +318,22 @@ class LLMStrategy(Strategy):
             if not batch or name not in self.space.names or len({c[name] for c in batch}) > 1:
                 continue
             top = batch[0][name]
+            if self._settled(name, top):
+                log.info("no %s hedge: this device's %d earlier winners all hold %s=%s", name, len(self.known),
+                         name, top)
+                continue
             alt = self._propose(1, extra=lambda c, n=name, v=top: n not in c or c[n] != v, exclude=self.seen | {
                 config_key(c) for c in batch})
             if alt:
                 batch = self._swap_in(batch, fixed, alt[0][0])
         return batch
+
+    def _settled(self, name: str, value: Any) -> bool:
+        """The device's earlier winners of the kernel (`warm_start`) say `name=value`: at least `settle` of them,
+        all holding it. A hedge guards against a model that is sure and wrong on this device; the device's own
+        winners show where it is not."""
+        held = [cfg.get(name) for _, cfg in self.known]
+        return 0 < self.settle <= len(held) and all(v == value for v in held)
 
     def _swap_in(self, batch: list[Config], fixed: set[int], cfg: Config) -> list[Config]:
         """The batch with `cfg` in place of the config nearest another one of the batch (the later one on a tie),
