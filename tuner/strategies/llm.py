@@ -99,7 +99,8 @@ WARM_CHOICES = ("nearest", "model", "off")
 # width hedge came within 5% of the best known on 1 of 35 layers and ran over 1.2x on 30. On its 35 real layers in
 # order, side by side with the hedge kept: @5 geomean 1.030 / 68% within 5% vs 1.048 / 65%, 1.035 / 57% vs 1.050 /
 # 51%, 1.061 / 60% vs 1.067 / 57% in three seeds (@10 1.016 vs 1.048, 1.015 vs 1.024, 1.043 vs 1.063; the default
-# session's stop: 1.009 / 1.009 / 1.041 vs 1.038 / 1.016 / 1.064). 3 and more were not tried
+# session's stop: 1.009 / 1.009 / 1.041 vs 1.038 / 1.016 / 1.064). One winner did worse (@5 46% vs 54% within 5%),
+# three read level (57% vs 54%, 57% vs 60%; quantized_models/data/recipe-trials.md)
 SETTLE = 2
 
 _PROPOSERS: dict[str, Any] = {}  # path -> Proposer (or the ModelError it raised): load a model once per process
