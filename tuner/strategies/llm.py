@@ -76,12 +76,10 @@ HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top
 #                 budget-10 session's calls (20 ms at load 1-2); a pool of 2 was within 5% on fewer layers at
 #                 10 evals in both of two runs
 EVIDENCE_WEIGHT = 1.5  # log-weight per log of a value's best time over the best of all
-# evals without a gain that end a session. Batches after the first hold one config per core: with two, 3 stops where 4
-# did after a narrow first batch (9 evals), and at 11 instead of 13 after a wide one. On 35 real layers of the unseen
-# Intel host, side by side with 4 (two seeds, budget 20, load 0.3-2.0): a default session's stop 2.51 / 2.65 s vs
-# 2.68 / 3.00 s median at 1.020 / 1.024 geomean vs 1.029 / 1.031 (77% / 74% within 5% vs 71% / 77%), @20 1.008 /
-# 1.011 vs 1.015 / 1.023; replayed on eight earlier runs' trajectories (280 sessions): 3.38 vs 3.71 s, 1.029 / 70%
-# vs 1.029 / 71%
+# evals without a gain that end a session (counted from the end of the first batch). Later batches hold one config
+# per core, so with two cores 3 stops where 4 did after a narrow first batch and two evals sooner after a wide one: on
+# 35 real layers of the unseen Intel host, 0.17-0.35 s sooner at no worse quality (recipe-trials.md, "The stop
+# rule's patience")
 PATIENCE = 3
 WIDE_SPREAD = 2.0  # the first batch's slowest over fastest: beyond this, patience doubles
 EXPLORE_POOL = 32  # random unmeasured configs the model picks its exploration step from, once converged
