@@ -13,7 +13,7 @@ from typing import Callable
 
 from edgetune import __version__
 from edgetune.errors import EdgetuneError
-from edgetune.output import say
+from edgetune.output import emit, say
 
 # Each module exposes register(subparsers); a verb's handler is set with set_defaults(func=...).
 VERB_MODULES = ["hwprobe.cli", "kernels.cli", "kernels.cli_workloads", "tuner.cli", "daemon.cli", "fleet.cli"]
@@ -53,6 +53,8 @@ def _run(args: argparse.Namespace) -> int:
         return int(args.func(args) or 0)
     except EdgetuneError as e:
         say(str(e), "error:", "red", err=True)
+        if getattr(args, "json", None) is True:  # a script reading stdout gets JSON it can parse, not nothing
+            emit({"error": str(e), "exit_code": e.exit_code}, True)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

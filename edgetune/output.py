@@ -53,6 +53,11 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def fmt_ms(x: float | None) -> str:
+    """A kernel time in ms to 4 significant digits: a 20 ns kernel reads 2e-05, not 0.0000."""
+    return "-" if x is None else f"{x:.4g}"
+
+
 @contextmanager
 def progress(enabled: bool) -> Iterator[Progress | None]:
     """A progress bar on a terminal (stderr), nothing in a service or under --json."""

@@ -120,18 +120,43 @@ class Store:
             raise self.error(e) from e
         try:
             self.conn.row_factory = sqlite3.Row
-            version = self._identify()
-            self.conn.execute("PRAGMA journal_mode=WAL")
+            with self._snapshot():
+                version = self._identify()  # refuse a foreign or newer file before changing anything in it
+            self._wal()
             self.conn.execute(f"PRAGMA synchronous={synchronous}")
-            self._migrate(version)
+            if version < self.SCHEMA.version:
+                self._migrate()
         except BaseException as e:
             self.conn.close()
             if isinstance(e, sqlite3.Error):
                 raise self.error(e) from e
             raise
 
+    def _wal(self) -> None:
+        """Switch the file to WAL. While another process opens the same new file, SQLite answers this with BUSY
+        at once, without waiting in its busy handler; so wait here, up to the open timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if getattr(e, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    @contextlib.contextmanager
+    def _snapshot(self) -> Iterator[None]:
+        """One read transaction: `_identify`'s reads see a single state of the file, not one half-way through
+        another process's migration."""
+        self.conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            self._rollback()
+
     def _identify(self) -> int:
-        """Refuse a file that is not this store's; returns its schema version."""
+        """Refuse a file that is not this store's; returns its schema version. Call it inside a transaction."""
         s = self.SCHEMA
         app_id = self.conn.execute("PRAGMA application_id").fetchone()[0]
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
@@ -145,10 +170,16 @@ class Store:
                            "upgrade edgetune", self.path)
         return version
 
-    def _migrate(self, version: int) -> None:
+    def _migrate(self) -> None:
+        """One transaction per step, each reading the version again under the write lock: processes opening a new
+        file at once (the daemon's first start beside a CLI verb) migrate it once, the others wait and find it
+        done."""
         s = self.SCHEMA
-        for v in range(version, s.version):
+        while True:
             with self.tx() as c:
+                v = self._identify()
+                if v >= s.version:
+                    return
                 for stmt in filter(str.strip, s.migrations[v].split(";")):
                     c.execute(stmt)
                 c.execute(f"PRAGMA user_version={v + 1}")
@@ -164,6 +195,10 @@ class Store:
         if primary == sqlite3.SQLITE_FULL:
             return DBFull(f"disk full while writing the {label} {path}: the write was rolled back and the DB is "
                           f"intact; {self.full_fix}", path)
+        if primary in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN):
+            return DBError(f"{label} {path}: {e}: this user must be able to write the file and its directory "
+                           f"{path.parent} (a WAL database writes beside itself even to read); fix their owner or "
+                           "mode, or point this command at a writable location", path)
         if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
             return DBBusy(f"{label} {path} stayed locked by another process for {self.timeout:g} s; retry when it "
                           "is done", path)

@@ -25,6 +25,7 @@ from kernels.spec import C_DIR, KernelSpec
 log = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 60.0
+ORPHAN_AGE_S = 10 * COMPILE_TIMEOUT_S  # a temporary build output this old belongs to a killed compile
 # builds kept (~8000 of ~32 KB): beyond it the least recently used go, so retunes over a device's life cannot fill
 # its disk; a removed build is compiled again when next asked for
 CACHE_MAX_BYTES = 256 << 20
@@ -167,10 +168,23 @@ def _touch(path: Path) -> None:
         pass
 
 
+def _remove_orphans(builds: Path) -> None:
+    """Remove the temporary outputs of compiles killed with their process (kill -9 mid-tune): a live compile's is
+    younger than its timeout, so one older than ORPHAN_AGE_S has no writer left."""
+    cutoff = time.time() - ORPHAN_AGE_S
+    for p in builds.glob("*.tmp.so"):
+        try:
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+        except OSError:  # pruned by another process, or a read-only cache
+            continue
+
+
 def prune_builds(max_bytes: int | None = None) -> int:
     """Once the builds take more than `max_bytes`, remove the least recently used (built or reused) until they take
     3/4 of it, so that pruning is rare (default: CACHE_MAX_BYTES). Returns the bytes freed."""
     max_bytes = CACHE_MAX_BYTES if max_bytes is None else max_bytes
+    _remove_orphans(paths.cache_dir() / "builds")
     entries = []
     for p in (paths.cache_dir() / "builds").glob("*.so"):
         try:

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from edgetune.errors import BadInput
-from edgetune.output import emit, fmt, json_flag, progress, table
+from edgetune.output import emit, fmt, fmt_ms, json_flag, progress, table
 from kernels.build import build
 from kernels.registry import all_specs, get_spec
 from kernels.roofline import roofline_fraction
@@ -135,10 +135,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def render(rs: list[dict]) -> None:
         table(None, ["kernel", "workload", "config", "ms", "cv", "reps", "ok", "max_abs_err"]
               + (["ort_ms", "ms/ort"] if args.ort else []) + ["GFLOP/s", "roofline"], [
-            [r["kernel"], r["workload"], format_config(r["config"]), fmt(r["ms"], 4), fmt(r["cv"], 3),
+            [r["kernel"], r["workload"], format_config(r["config"]), fmt_ms(r["ms"]), fmt(r["cv"], 3),
              r["reps_used"], "yes" if r["ok"] else f"NO: {r['reason']}",
              "-" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2g}"]
-            + ([fmt(r["ort_ms"], 4) if r["ort_reason"] is None else f"NO: {r['ort_reason']}", fmt(r["ort_ratio"], 2)]
+            + ([fmt_ms(r["ort_ms"]) if r["ort_reason"] is None else f"NO: {r['ort_reason']}", fmt(r["ort_ratio"], 2)]
                if args.ort else [])
             + [fmt(r["gflops"], 2), fmt(r["roofline"], 2)] for r in rs])
 

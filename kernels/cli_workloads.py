@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgetune.errors import BadInput
 from edgetune.output import emit, json_flag, say, table
 from kernels.workload_files import BUNDLED, collect_workloads, expand_patterns, write_workloads_file
+
+if TYPE_CHECKING:
+    from kernels.onnx_import import ImportResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,8 +58,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     dims = parse_dims(args.dim)
     result = import_onnx(args.model, dims)
-    out = Path(args.output) if args.output else Path.cwd() / f"{Path(args.model).stem}.workloads.toml"
     skipped = ", ".join(f"{op} x{n}" for op, n in result.skipped.items())
+    check_mapped(result, skipped)
+    out = Path(args.output) if args.output else Path.cwd() / f"{Path(args.model).stem}.workloads.toml"
     comment = "\n".join([f"imported from {Path(args.model).name}"]
                         + ([f"dims: {', '.join(f'{k}={v}' for k, v in dims.items())}"] if dims else [])
                         + ([f"not mapped: {skipped}"] if skipped else [])
@@ -70,7 +74,8 @@ def cmd_import(args: argparse.Namespace) -> int:
                 "\n".join(e["sources"][:3] + ([f"+{len(e['sources']) - 3} more"] if len(e["sources"]) > 3 else []))]
                for e in d["entries"]])
         if d["skipped"]:
-            table("not mapped", ["op", "nodes"], [[op, n] for op, n in d["skipped"].items()])
+            table("not mapped", ["op", "nodes", "why"],
+                  [[op, n, "\n".join(d["why"].get(op, []))] for op, n in d["skipped"].items()])
         if d["dynamic"]:
             say(f"{', '.join(d['dynamic'])} (fix with {' '.join(f'--dim {n}=N' for n in d['dynamic'])})",
                 "dynamic dims left unset:", "yellow")
@@ -80,6 +85,20 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     emit(data, args.json, render)
     return 0
+
+
+def check_mapped(result: ImportResult, skipped: str) -> None:
+    """Refuse a model of which no layer maps: a workloads file with no entry only fails later, at `tune`, far
+    from the cause, which is most often a symbolic dim left unset."""
+    if result.entries:
+        return
+    name = Path(result.model).name
+    if result.dynamic:
+        raise BadInput(f"no layer of {name} maps onto a bundled kernel while its symbolic dim(s) "
+                       f"{', '.join(result.dynamic)} are unset (not mapped: {skipped}); fix them with "
+                       + " ".join(f"--dim {n}=N" for n in result.dynamic) + "; nothing was written")
+    raise BadInput(f"no layer of {name} maps onto a bundled kernel (not mapped: {skipped or 'no nodes'}); "
+                   "nothing was written")
 
 
 def cmd_list(args: argparse.Namespace) -> int:

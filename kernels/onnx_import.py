@@ -46,6 +46,7 @@ class ImportResult:
     skipped: dict[str, int]  # op type → nodes not mapped
     dynamic: list[str]  # symbolic input dims left unset: pass --dim NAME=VALUE
     warnings: list[str] = field(default_factory=list)
+    why: dict[str, list[str]] = field(default_factory=dict)  # op → why its nodes were not mapped
 
     def workload_entries(self) -> list[WorkloadEntry]:
         """What the workloads file holds: one entry per distinct shape, sources summarised."""
@@ -168,7 +169,7 @@ class _Graph:
             return shape  # type: ignore[return-value]
         named = sorted({d for d in shape if isinstance(d, str) and d in self.dynamic})
         if named:
-            raise _Skip(f"symbolic dim(s) {', '.join(named)}: pass " + " ".join(f"--dim {n}=N" for n in named))
+            raise _Skip(f"symbolic dim(s) {', '.join(named)} unset: pass " + " ".join(f"--dim {n}=N" for n in named))
         raise _Skip("shape not known after shape inference")
 
     def const_int(self, name: str) -> int | None:
@@ -207,7 +208,7 @@ class _Importer:
         self.specs = all_specs()
         self.found: list[tuple[int, _Cand, str]] = []  # node index, candidate, source
         self.skipped: Counter[str] = Counter()
-        self.reasons: dict[str, list[str]] = {}  # "op: reason" → node labels
+        self.reasons: dict[tuple[str, str], list[str]] = {}  # (op, reason) → node labels
         self.notes: dict[str, list[str]] = {}
         self.consumed: set[int] = set()  # nodes folded into a log-mel front end
 
@@ -227,7 +228,8 @@ class _Importer:
                 continue
             self._try(i, node, lambda: (mapper(g, node), set()))
         skipped = dict(sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0])))
-        return ImportResult(self.model, self._merge(), skipped, list(g.dynamic), self.warnings + self._summaries())
+        return ImportResult(self.model, self._merge(), skipped, list(g.dynamic), self.warnings + self._summaries(),
+                            self._why(skipped))
 
     def _try(self, i: int, node: Any, map_node: Any) -> None:
         """Map one node; a _Skip (from the mapping or the spec's own shape check) counts it as skipped."""
@@ -243,7 +245,7 @@ class _Importer:
                 raise _Skip(str(e)) from e
         except _Skip as e:
             self.skipped[_op(node)] += 1
-            self.reasons.setdefault(f"{_op(node)}: {e}", []).append(label)
+            self.reasons.setdefault((_op(node), str(e)), []).append(label)
             return
         self.consumed |= used
         mel = [_label(self.g.nodes[j], j) for j in sorted(used) if self.g.nodes[j].op_type == "MatMul"]
@@ -272,8 +274,15 @@ class _Importer:
             shown = ", ".join(labels[:3]) + (f", +{len(labels) - 3} more" if len(labels) > 3 else "")
             return f"{head} {len(labels)} node(s), {what} ({shown})"
 
-        return ([line("skipped", r, ls) for r, ls in self.reasons.items()]
+        return ([line("skipped", f"{op}: {r}", ls) for (op, r), ls in self.reasons.items()]
                 + [line("mapped", n, ls) for n, ls in self.notes.items()])
+
+    def _why(self, skipped: dict[str, int]) -> dict[str, list[str]]:
+        """Each skipped op's distinct reasons, so the not-mapped table says what would map it (a --dim, say)."""
+        why: dict[str, list[str]] = {op: [] for op in skipped}
+        for op, reason in self.reasons:
+            why[op].append(reason)
+        return {op: reasons or ["no bundled kernel runs this op"] for op, reasons in why.items()}
 
     # --- log-mel front ends -------------------------------------------------------------------------------
 
@@ -480,11 +489,25 @@ def _gemm(g: _Graph, node: Any) -> _Cand:
 
 
 def _gru(g: _Graph, node: Any) -> _Cand:
+    _check_gru_math(node)
     x = g.known(node.input[0])
     t, batch, i = (x[0], x[1], x[2]) if _attr(node, "layout", 0) == 0 else (x[1], x[0], x[2])
     h = _attr(node, "hidden_size") or g.known(node.input[1])[1] // 3  # W is [directions, 3H, I]
     directions = 2 if _attr(node, "direction", "forward") == "bidirectional" else 1
     return _Cand("gru", {"T": t, "I": i, "H": h}, batch * directions)
+
+
+def _check_gru_math(node: Any) -> None:
+    """The gru kernel computes linear_before_reset=1 (PyTorch's GRU) with sigmoid/tanh and no clip; a GRU that
+    computes otherwise (ONNX's default linear_before_reset=0 among them) would be tuned as another layer."""
+    if _attr(node, "linear_before_reset", 0) != 1:
+        raise _Skip("GRU with linear_before_reset=0 (the ONNX default) has no kernel: "
+                    "the gru kernel computes linear_before_reset=1, as PyTorch's GRU")
+    acts = [a.decode().lower() for a in _attr(node, "activations", [])]
+    if acts != ["sigmoid", "tanh"] * (len(acts) // 2):  # one Sigmoid, Tanh pair per direction
+        raise _Skip(f"GRU with activations {', '.join(acts)} has no kernel: the gru kernel runs Sigmoid, Tanh")
+    if _attr(node, "clip") is not None:
+        raise _Skip("GRU with clip has no kernel")
 
 
 _MAPPERS = {"Conv": _conv, "MatMul": _matmul, "Gemm": _gemm, "GRU": _gru}

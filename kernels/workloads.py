@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from edgetune.errors import BadInput
@@ -12,8 +13,19 @@ DEFAULT_MAX_INPUT_MB = 512.0  # an absurd shape is refused before anything is al
 
 
 def max_input_mb() -> float:
-    """The buffer cap for custom shapes, from $EDGETUNE_MAX_INPUT_MB."""
-    return float(os.environ.get("EDGETUNE_MAX_INPUT_MB") or DEFAULT_MAX_INPUT_MB)
+    """The buffer cap for custom shapes, from $EDGETUNE_MAX_INPUT_MB; a value that is not a positive number is
+    refused by name, as a cap of 0, below or NaN would refuse every shape with a misleading message."""
+    text = os.environ.get("EDGETUNE_MAX_INPUT_MB") or ""
+    if not text.strip():
+        return DEFAULT_MAX_INPUT_MB
+    try:
+        cap = float(text)
+    except ValueError:
+        cap = math.nan
+    if not (0 < cap < math.inf):
+        raise BadInput(f"EDGETUNE_MAX_INPUT_MB={text!r} is not a valid cap: give a number of megabytes above 0 "
+                       f"(e.g. {DEFAULT_MAX_INPUT_MB:g}, the default), or unset it")
+    return cap
 
 
 def parse_shape_text(spec: KernelSpec, text: str) -> dict[str, str]:
@@ -45,10 +57,15 @@ def check_size(spec: KernelSpec, shape: Shape) -> Shape:
     mb, cap = spec.bytes_moved(shape) / 1e6, max_input_mb()
     if mb > cap:
         raise BadInput(
-            f"{spec.name} shape {shape} needs about {mb:,.0f} MB of buffers, over the {cap:,.0f} MB cap "
+            f"{spec.name} shape {shape} needs about {_mb(mb)} MB of buffers, over the {_mb(cap)} MB cap "
             "(raise it with EDGETUNE_MAX_INPUT_MB)"
         )
     return shape
+
+
+def _mb(x: float) -> str:
+    """Megabytes to read: whole above 10, else two significant digits, so a small cap never reads as "0 MB"."""
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
 
 
 def custom_workload(spec: KernelSpec, shape_text: str) -> Workload:

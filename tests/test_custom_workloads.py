@@ -67,6 +67,20 @@ def test_bad_shapes_exit_2(shape, needle):
     assert needle in " ".join(p.stderr.split())
 
 
+@pytest.mark.parametrize("cap", ["abc", "-5", "0", "nan", "inf"])
+def test_a_bad_input_cap_names_the_variable_and_the_valid_range(cap):
+    p = _cli("bench", "gemm", "--shape", "M=10,N=20,K=30", env={**os.environ, "EDGETUNE_MAX_INPUT_MB": cap})
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert (f"EDGETUNE_MAX_INPUT_MB='{cap}' is not a valid cap: give a number of megabytes above 0"
+            in " ".join(p.stderr.split())), p.stderr
+
+
+def test_a_small_cap_reads_as_its_value_not_zero():
+    p = _cli("bench", "gemm", "--shape", "M=100,N=100,K=100", env={**os.environ, "EDGETUNE_MAX_INPUT_MB": "0.05"})
+    assert p.returncode == 2
+    assert "needs about 0.12 MB of buffers, over the 0.05 MB cap" in " ".join(p.stderr.split()), p.stderr
+
+
 def test_dwconv_bad_stride_names_allowed():
     p = _cli("tune", "--kernel", "dwconv_3x3", "--shape", "H=20,W=20,C=96,stride=3")
     assert p.returncode == 2 and "stride=3 not allowed; allowed: 1, 2" in " ".join(p.stderr.split())

@@ -133,13 +133,53 @@ def test_conv1d(tmp_path):
 
 def test_gru(tmp_path):
     need("gru")
-    p = save(tmp_path, [helper.make_node("GRU", ["x", "W", "R"], ["y"], name="gru", hidden_size=64),
+    p = save(tmp_path, [helper.make_node("GRU", ["x", "W", "R"], ["y"], name="gru", hidden_size=64,
+                                         linear_before_reset=1),
                         helper.make_node("GRU", ["x", "W2", "R2"], ["y2"], name="bi", hidden_size=32,
-                                         direction="bidirectional")],
+                                         direction="bidirectional", linear_before_reset=1,
+                                         activations=["Sigmoid", "Tanh", "Sigmoid", "Tanh"])],
              {"x": [49, 1, 40]}, [weight("W", 1, 192, 40), weight("R", 1, 192, 64),
                                   weight("W2", 2, 96, 40), weight("R2", 2, 96, 32)])
     assert layers(import_onnx(p, {})) == [("gru", {"T": 49, "I": 40, "H": 64}, 1),
                                           ("gru", {"T": 49, "I": 40, "H": 32}, 2)]
+
+
+@pytest.mark.parametrize("lbr", [0, 1])
+def test_gru_maps_only_what_the_kernel_computes(tmp_path, lbr):
+    """The gru kernel computes linear_before_reset=1; ONNX's default 0 is another recurrence, so not mapped.
+    onnxruntime runs each real GRU node: only linear_before_reset=1 agrees with the kernel's reference."""
+    need("gru")
+    import onnxruntime as ort
+
+    spec, shape = all_specs()["gru"], {"T": 6, "I": 5, "H": 4}
+    x, w, r, b, h0 = spec.make_inputs(shape, np.random.default_rng(7))
+    inits = [numpy_helper.from_array(a[None], n) for a, n in ((w, "W"), (r, "R"), (b, "B"))]
+    inits.append(numpy_helper.from_array(h0.reshape(1, 1, -1), "h0"))
+    node = helper.make_node("GRU", ["x", "W", "R", "B", "", "h0"], ["y"], name="gru", hidden_size=4,
+                            linear_before_reset=lbr)
+    p = save(tmp_path, [node], {"x": [6, 1, 5]}, inits, name=f"gru{lbr}")
+    y = ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x[:, None, :]})[0]
+    same = np.allclose(y.reshape(6, 4), spec.reference(shape, [x, w, r, b, h0])[0], atol=1e-5)
+    assert same == bool(lbr)
+    result = import_onnx(p, {})
+    if lbr:
+        assert layers(result) == [("gru", shape, 1)] and result.skipped == {}
+    else:
+        assert result.entries == [] and result.skipped == {"GRU": 1}
+        assert result.why["GRU"] == ["GRU with linear_before_reset=0 (the ONNX default) has no kernel: "
+                                     "the gru kernel computes linear_before_reset=1, as PyTorch's GRU"]
+
+
+def test_gru_with_other_activations_or_clip_is_not_mapped(tmp_path):
+    need("gru")
+    nodes = [helper.make_node("GRU", ["x", "W", "R"], [f"y{i}"], name=f"g{i}", hidden_size=4, linear_before_reset=1,
+                              **attrs)
+             for i, attrs in enumerate([{"activations": ["HardSigmoid", "Tanh"]}, {"clip": 3.0}])]
+    p = save(tmp_path, nodes, {"x": [6, 1, 5]}, [weight("W", 1, 12, 5), weight("R", 1, 12, 4)])
+    r = import_onnx(p, {})
+    assert r.entries == [] and r.why["GRU"] == [
+        "GRU with activations hardsigmoid, tanh has no kernel: the gru kernel runs Sigmoid, Tanh",
+        "GRU with clip has no kernel"]
 
 
 def _power_mel_log(spec: str, mels: int | None, bins: int = 257) -> tuple[list, list]:
@@ -215,12 +255,15 @@ def test_spec_twins_import_to_their_own_workload(tmp_path):
 def test_symbolic_dims_need_dim(tmp_path):
     need("gemm", "gru")
     p = save(tmp_path, [conv("x", "y", "w", "pw", kernel_shape=[1, 1]),
-                        helper.make_node("GRU", ["seq", "W", "R"], ["h"], name="gru", hidden_size=16)],
+                        helper.make_node("GRU", ["seq", "W", "R"], ["h"], name="gru", hidden_size=16,
+                                         linear_before_reset=1)],
              {"x": ["batch", 8, 10, 10], "seq": ["time", 1, 8]},
              [weight("w", 4, 8, 1, 1), weight("W", 1, 48, 8), weight("R", 1, 48, 16)])
     r = import_onnx(p, {})
     assert r.entries == [] and r.dynamic == ["batch", "time"] and r.skipped == {"Conv": 1, "GRU": 1}
     assert any("--dim batch=N" in w and "Conv pw" in w for w in r.warnings)
+    assert r.why == {"Conv": ["symbolic dim(s) batch unset: pass --dim batch=N"],
+                     "GRU": ["symbolic dim(s) time unset: pass --dim time=N"]}
     r = import_onnx(p, {"batch": 2})
     assert layers(r) == [("gemm", {"M": 200, "N": 4, "K": 8}, 1)] and r.dynamic == ["time"]
     r = import_onnx(p, {"batch": 1, "time": 50})
@@ -435,9 +478,10 @@ def test_cli_import_and_list(tmp_path):
     assert data["skipped"] == {"Relu": 1} and data["dynamic"] == []
     assert "# dims: batch=1" in out.read_text()
 
-    r = edgetune("import", str(p), "-o", str(tmp_path / "o.toml"), cwd=tmp_path)  # people's view; batch left open
-    assert r.returncode == 0, r.stderr
-    assert "batch" in r.stdout and "--dim batch=N" in r.stdout and "Relu" in r.stdout and "wrote" in r.stdout
+    r = edgetune("import", str(p), "-o", str(tmp_path / "o.toml"), cwd=tmp_path)  # batch left open: nothing maps
+    assert r.returncode == 2 and not (tmp_path / "o.toml").exists(), r.stderr
+    err = " ".join(r.stderr.split())
+    assert "no layer of tiny.onnx maps" in err and "dim(s) batch are unset" in err and "--dim batch=N" in err
 
     r = edgetune("list", "--workloads", str(out), "--workloads", "bundled", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -447,6 +491,26 @@ def test_cli_import_and_list(tmp_path):
                                     "count": 1, "source": "tiny.onnx: Conv pw", "origin": str(out)}
     r = edgetune("list", cwd=tmp_path)
     assert r.returncode == 0 and "kws_dscnn.fc" in r.stdout
+
+
+def test_cli_table_says_why_a_layer_is_not_mapped(tmp_path):
+    """With part of a model mapped the file is written, and the not-mapped table says which dim would map the rest."""
+    need("gemm")
+    p = save(tmp_path, [conv("x", "y", "w", "pw", kernel_shape=[1, 1]), helper.make_node("MatMul", ["v", "m"], ["z"])],
+             {"x": ["batch", 8, 10, 10], "v": [3, 8]}, [weight("w", 4, 8, 1, 1), weight("m", 8, 2)], name="half")
+    r = edgetune("import", str(p), "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["why"] == {"Conv": ["symbolic dim(s) batch unset: pass --dim batch=N"]}
+    r = edgetune("import", str(p), cwd=tmp_path)
+    assert r.returncode == 0 and "why" in r.stdout and "batch unset" in r.stdout, r.stdout
+    assert "wrote" in r.stdout and "half.gemm.1" in (tmp_path / "half.workloads.toml").read_text()
+
+
+def test_cli_refuses_a_model_of_which_nothing_maps(tmp_path):
+    p = save(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], {"x": [1, 4]}, name="relu")
+    r = edgetune("import", str(p), cwd=tmp_path)
+    assert r.returncode == 2 and not (tmp_path / "relu.workloads.toml").exists()
+    assert "no layer of relu.onnx maps onto a bundled kernel (not mapped: Relu x1)" in " ".join(r.stderr.split())
 
 
 @pytest.mark.parametrize("args,match", [

@@ -4,6 +4,7 @@ the daemon DB's v1 migration adopting a file written before daemon.db was versio
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sqlite3
 import threading
 from pathlib import Path
@@ -60,6 +61,31 @@ def test_a_newer_migration_upgrades_in_place_and_keeps_the_rows(tmp_path):
             c.execute("UPDATE notes SET tag='x'")
     with NotesV2(p) as db:  # reopening runs nothing again
         assert db.schema_version == 2 and db.query_one("SELECT tag FROM notes")[0] == "x"
+
+
+def _open_at(path: Path, barrier, out) -> None:
+    barrier.wait()
+    try:
+        NotesV2(path).close()
+        out.put("ok")
+    except Exception as e:  # the test reads what failed
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def test_processes_opening_a_new_file_at_once_migrate_it_once(tmp_path):
+    # the daemon's first start beside a CLI verb: each must find the file migrated, none may run a step twice
+    ctx = multiprocessing.get_context("fork")
+    for i in range(8):
+        p = tmp_path / f"{i}" / "notes.db"
+        barrier, out = ctx.Barrier(3), ctx.Queue()
+        procs = [ctx.Process(target=_open_at, args=(p, barrier, out)) for _ in range(3)]
+        for proc in procs:
+            proc.start()
+        got = [out.get(timeout=60) for _ in procs]
+        for proc in procs:
+            proc.join()
+        assert got == ["ok"] * 3, got
+        assert pragma(p, "user_version") == 2
 
 
 def test_a_failing_migration_leaves_the_old_version(tmp_path):
@@ -177,6 +203,17 @@ def test_an_error_in_the_body_rolls_back_and_is_not_wrapped(tmp_path):
         assert db.texts() == []
         with pytest.raises(DBError, match="notes DB .*no such table: nope"):
             db.query("SELECT * FROM nope")
+
+
+def test_a_read_only_file_names_its_directory_and_the_fix(tmp_path):
+    p = tmp_path / "notes.db"
+    db = Notes(p)
+    with sqlite3.connect(f"file:{p}?mode=ro", uri=True) as ro, pytest.raises(sqlite3.Error) as raised:
+        ro.execute("INSERT INTO notes (text) VALUES ('x')")  # the real SQLITE_READONLY a read-only mount gives
+    e = db.error(raised.value)
+    assert isinstance(e, DBError) and e.path == p
+    assert f"must be able to write the file and its directory {tmp_path}" in str(e), str(e)
+    db.close()
 
 
 def test_a_lock_held_past_the_timeout_is_busy(tmp_path):

@@ -289,6 +289,18 @@ def test_the_build_cache_drops_the_least_recently_used_beyond_its_cap(hw, tmp_pa
     assert not again.cached and again.path.exists()
 
 
+def test_pruning_removes_what_killed_compiles_left_but_not_a_live_compiles_output(hw, tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cache"))
+    b = build(GEMM, GEMM.default, hw)
+    orphan, live = (b.path.with_suffix(f".{pid}-1.tmp.so") for pid in (11, 22))
+    for f in (orphan, live):
+        f.write_bytes(b"half a shared object")
+    old = time.time() - build_mod.ORPHAN_AGE_S - 60
+    os.utime(orphan, (old, old))
+    prune_builds()
+    assert not orphan.exists() and live.exists() and b.path.exists()
+
+
 def test_a_build_cache_that_refuses_removal_keeps_its_builds(hw, tmp_path, monkeypatch, caplog):
     """As on a read-only cache (root here may remove anything, so the refusal is the OS call's)."""
     monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cache"))
@@ -389,6 +401,27 @@ def test_resume_after_sigkill(tmp_path):
     assert json.loads(done.stdout)["results"][0]["evals"] == 10
 
 
+def test_verify_fails_on_a_slower_config_and_reports_a_faster_one():
+    assert _cli("pin", "gemm", "M=8,N=8,K=8", "{}", "--json").returncode == 0
+    db = ResultsDB()
+    slot = ("gemm", "custom.M8-N8-K8")
+    entry = db.active_entry(*slot)
+    for stored_ms, status, rc in ((1e3, "faster", 0), (1e-9, "slower", 1)):  # far beyond any noise either way
+        db.set_active(*slot, {**entry, "ms": stored_ms}, pinned=True)
+        v = _cli("verify", "--json")
+        assert v.returncode == rc and json.loads(v.stdout)[0]["status"] == status, (status, v.stdout, v.stderr)
+    db.close()
+
+
+@pytest.mark.parametrize("verb", [["tune", "--kernel", "nosuch"], ["bench", "gemm", "--shape", "M=0,N=1,K=1"],
+                                  ["propose", "gemm", "--workload", "no.such.layer"], ["unpin", "gemm", "nope"]])
+def test_an_error_under_json_is_a_json_object_on_stdout(verb):
+    p = _cli(*verb, "--json")
+    assert p.returncode == 2, (verb, p.stderr)
+    doc = json.loads(p.stdout)
+    assert doc["exit_code"] == 2 and doc["error"] and doc["error"] in " ".join(p.stderr.split()), (verb, p.stdout)
+
+
 # ---- DB faults ---------------------------------------------------------------------------------------------
 
 def test_corrupt_db_clear_error_and_reset_moves_aside(tmp_path):
@@ -407,6 +440,24 @@ def test_corrupt_db_clear_error_and_reset_moves_aside(tmp_path):
     db_path.write_bytes(b"corrupt again" * 100)
     p = _cli("verify")
     assert p.returncode == 1 and "edgetune report --reset" in " ".join(p.stderr.split()), p.stderr
+
+
+def test_damaged_pages_are_a_clear_error_in_every_verb_that_reads_active_configs(tmp_path):
+    db_path = tmp_path / "state" / "results.db"
+    db = ResultsDB()
+    for i in range(60):  # enough rows for the active table to span pages beyond the schema page
+        db.set_active("gemm", f"w{i:03d}", {"config": {"mr": 4}, "ms": 1.0, "note": "x" * 400}, pinned=True)
+    db.close()
+    page = sqlite3.connect(db_path).execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(db_path.read_bytes())
+    assert len(data) > 8 * page
+    for n in range(2, len(data) // page):  # b-tree page headers become garbage; the file header stays valid
+        data[n * page:n * page + 16] = b"\xff" * 16
+    db_path.write_bytes(bytes(data))
+    for verb in (["report"], ["export"], ["verify"], ["unpin", "gemm", "w001"]):
+        p = _cli(*verb)
+        assert p.returncode == 1 and "Traceback" not in p.stderr, (verb, p.stderr)
+        assert "corrupt" in p.stderr and "edgetune report --reset" in " ".join(p.stderr.split()), (verb, p.stderr)
 
 
 def test_foreign_sqlite_db_is_refused(tmp_path):

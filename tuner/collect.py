@@ -473,8 +473,34 @@ def data_card(path: Path) -> str:
     hws = [r["hw"] for r in rows if r.get("kind") == "hw"]
     ms = [r for r in rows if r.get("kind") == "m"]
     ok = [r for r in ms if r["ok"]]
-    loads = sorted(r["load1"] for r in ms if r.get("load1") is not None)
-    by: dict[tuple, dict] = {}
+    by = _card_counts(ms)
+    held = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms if r["split"] == "heldout"}
+    lines = [
+        "# Data card: edgetune tuning runs", "",
+        f"File: `{path.name}` ({path.stat().st_size / 1e6:.1f} MB), sha256 `{dataset_hash(path)[:16]}…`. "
+        "One JSON object per line: `kind=run` lines hold the collector's settings, `kind=hw` lines the hardware "
+        "descriptor of each ISA cap, `kind=m` lines one measurement each.", "",
+        "## How it was collected", "",
+        _card_method(rows, by, len(held)), "",
+        *_card_machine(rows, hws, ms),
+        "## Counts", "",
+        f"{len(ms)} measurements ({len(ok)} ok, {len(ms) - len(ok)} failed"
+        + "".join(f"; {k} {v}" for k, v in sorted(_card_failures(ms).items(), key=lambda kv: -kv[1])) + ").", "",
+        "| kernel | ISA | shapes | held-out | configs | rows | ok | refine | sweep | confirm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (k, isa), d in sorted(by.items()):
+        lines.append(f"| {k} | {isa} | {len(d['shapes'])} | {len(d['held'])} | {len(d['cfgs'])} | {d['rows']} | "
+                     f"{d['ok']} | {d['refine']} | {d['sweep']} | {d['confirm']} |")
+    cases = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms}
+    lines += ["", f"{len(cases)} cases (kernel x ISA x shape): {len(cases) - len(held)} train, {len(held)} held-out.",
+              f"Median CV of ok measurements: {st.median(r['cv'] for r in ok if r['cv'] is not None):.3f}.", ""]
+    return "\n".join(lines)
+
+
+def _card_counts(ms: list[dict]) -> dict[tuple[str, str], dict]:
+    """Per (kernel, ISA): rows, ok rows, shapes, held-out shapes, configs and rows per phase."""
+    by: dict[tuple[str, str], dict] = {}
     for r in ms:
         d = by.setdefault((r["kernel"], r["isa"]), {"rows": 0, "ok": 0, "shapes": set(), "held": set(), "cfgs": set(),
                                                    "refine": 0, "sweep": 0, "confirm": 0})
@@ -487,24 +513,26 @@ def data_card(path: Path) -> str:
         d["confirm"] += r["phase"] == "confirm"
         if r["split"] == "heldout":
             d["held"].add(r["shape_key"])
+    return by
+
+
+def _card_failures(ms: list[dict]) -> dict[str, int]:
+    """Failed measurements by the first part of their reason (compile error, crash, ...)."""
     fails: dict[str, int] = {}
     for r in ms:
         if not r["ok"]:
             why = (r["reason"] or "?").split(":")[0]
             fails[why] = fails.get(why, 0) + 1
-    h = hws[0] if hws else {}
+    return fails
+
+
+def _card_method(rows: list[dict], by: dict[tuple[str, str], dict], n_held_cases: int) -> str:
+    """The card's "how it was collected" paragraphs, from the settings of the journal's runs."""
     run = ([r for r in rows if r.get("kind") == "run"] or [{}])[-1]  # the settings of the last invocation
     sweeps = list({tuple(g): None for r in rows if r.get("kind") == "run" for g in r.get("sweep", [])})
-    q = lambda p: loads[min(len(loads) - 1, int(p * len(loads)))] if loads else float("nan")  # noqa: E731
     n_shapes = max((len(d["shapes"]) for d in by.values()), default=0)
     n_held = max((len(d["held"]) for d in by.values()), default=0)
-    held = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms if r["split"] == "heldout"}
-    lines = [
-        "# Data card: edgetune tuning runs", "",
-        f"File: `{path.name}` ({path.stat().st_size / 1e6:.1f} MB), sha256 `{dataset_hash(path)[:16]}…`. "
-        "One JSON object per line: `kind=run` lines hold the collector's settings, `kind=hw` lines the hardware "
-        "descriptor of each ISA cap, `kind=m` lines one measurement each.", "",
-        "## How it was collected", "",
+    return (
         "`python -m tuner.collect` (tuner/collect.py; resumable: an fsynced JSONL journal, a rerun skips finished "
         "measurements). For every bundled kernel and each ISA cap x86-64-v4 / v3 / v2 (AVX-512 / AVX2 / SSE4.2 via "
         "`-march`; the descriptor's ISA and vector bits change with the cap): the kernel's bundled workloads plus "
@@ -536,11 +564,19 @@ def data_card(path: Path) -> str:
         "rounds alone, since single measurements hours apart on this shared host disagree by more than 5% about a "
         "third of the time (a case whose leaders a later run changed was confirmed again, all leaders side by side, "
         "and training uses that latest confirmation). Every line keeps all rep times, CV, reps "
-        "used, estimator, thread-CPU ms, context switches and the load average at that moment.", "",
+        "used, estimator, thread-CPU ms, context switches and the load average at that moment.\n\n"
         f"Split by shape: {n_held} shapes per kernel (one bundled workload + the rest synthetic, seeded) are held "
         "out and never trained on (`split=heldout`). A held-out case's best-known reference is the best of its "
         "sample, the defaults and its refinement (the spaces, up to 3,672 configs, are too large to measure "
-        f"exhaustively for {len(held)} cases in the time available).", "",
+        f"exhaustively for {n_held_cases} cases in the time available).")
+
+
+def _card_machine(rows: list[dict], hws: list[dict], ms: list[dict]) -> list[str]:
+    """The card's machine and load sections (lines, each section ending in a blank line)."""
+    h = hws[0] if hws else {}
+    loads = sorted(r["load1"] for r in ms if r.get("load1") is not None)
+    q = lambda p: loads[min(len(loads) - 1, int(p * len(loads)))] if loads else float("nan")  # noqa: E731
+    return [
         "## Machine", "",
         f"- CPU: {h.get('cpu_model')} ({h.get('arch')}), {h.get('cores')} usable cores (shared with other jobs)",
         f"- caches: L1d {h.get('l1d')} B, L2 {h.get('l2')} B, L3 {h.get('l3')} B; bandwidth {h.get('bandwidth_gbps')} "
@@ -551,19 +587,7 @@ def data_card(path: Path) -> str:
         f"p90 {q(0.9):.2f}, max {loads[-1] if loads else float('nan'):.2f} on {h.get('cores')} cores; `cv` and "
         "`load1` on each line say how noisy each timing was.",
         f"Wall time: {_wall_time(rows)}.", "",
-        "## Counts", "",
-        f"{len(ms)} measurements ({len(ok)} ok, {len(ms) - len(ok)} failed"
-        + "".join(f"; {k} {v}" for k, v in sorted(fails.items(), key=lambda kv: -kv[1])) + ").", "",
-        "| kernel | ISA | shapes | held-out | configs | rows | ok | refine | sweep | confirm |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (k, isa), d in sorted(by.items()):
-        lines.append(f"| {k} | {isa} | {len(d['shapes'])} | {len(d['held'])} | {len(d['cfgs'])} | {d['rows']} | "
-                     f"{d['ok']} | {d['refine']} | {d['sweep']} | {d['confirm']} |")
-    cases = {(r["kernel"], r["isa"], r["shape_key"]) for r in ms}
-    lines += ["", f"{len(cases)} cases (kernel x ISA x shape): {len(cases) - len(held)} train, {len(held)} held-out.",
-              f"Median CV of ok measurements: {st.median(r['cv'] for r in ok if r['cv'] is not None):.3f}.", ""]
-    return "\n".join(lines)
 
 
 def _wall_time(rows: list[dict]) -> str:

@@ -232,7 +232,7 @@ class ResultsDB(Store):
         write_active(self.active_document())
 
     def active(self) -> dict[str, dict]:
-        rows = self.conn.execute("SELECT * FROM active ORDER BY kernel, workload").fetchall()
+        rows = self.query("SELECT * FROM active ORDER BY kernel, workload")
         return {f"{r['kernel']}/{r['workload']}": {**json.loads(r["entry_json"]), "pinned": bool(r["pinned"])}
                 for r in rows}
 
@@ -245,5 +245,5 @@ class ResultsDB(Store):
                 "kernels": kernels}
 
     def active_entry(self, kernel: str, workload: str) -> dict | None:
-        r = self.conn.execute("SELECT * FROM active WHERE kernel=? AND workload=?", (kernel, workload)).fetchone()
+        r = self.query_one("SELECT * FROM active WHERE kernel=? AND workload=?", (kernel, workload))
         return {**json.loads(r["entry_json"]), "pinned": bool(r["pinned"])} if r else None

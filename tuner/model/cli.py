@@ -59,8 +59,8 @@ def cmd_propose(args: argparse.Namespace) -> int:
     hw = describe(args.isa)
     try:
         prop = load_proposer(Path(args.model) if args.model else None)
-    except ModelError as e:
-        raise EdgetuneError(str(e))
+    except ModelError as e:  # a file the user named is bad input; a broken bundled model is a failed install
+        raise (BadInput if args.model else EdgetuneError)(str(e)) from e
     space = spec.space(wl.shape, hw)
     try:
         space.valid_default()  # cheap: the nearest valid config, pruned by the constraints

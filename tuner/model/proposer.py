@@ -223,11 +223,7 @@ class Proposer:
         prompt = prompt_text(kernel, space.shape, space.hw if prompt_hw is None else prompt_hw, history,
                              [n for n in space.names if n not in unknown])
         ptoks = [m.bos] + m.tokenize(prompt)
-        m.clear()
-        b = _Batch()
-        for i, t in enumerate(ptoks):
-            b.add(t, i, [0], i == len(ptoks) - 1)
-        lp0 = m.decode(b)[len(ptoks) - 1]
+        lp0 = self._prefill(ptoks)
         n_prompt = len(ptoks)
         self._free = list(range(m.n_seq_max - 1, 0, -1))
         self._owners: dict[int, _Node] = {}
@@ -263,27 +259,7 @@ class Proposer:
                     seen.add(key)
                     out.append(Proposal(cfg, -node.neg))
                 continue
-            batch = []
-            while heap and len(batch) < per and len(heap[0][2].values) < nf:
-                node = heapq.heappop(heap)[2]
-                cands = candidates(space, fields, names, node, extra)
-                name = names[len(node.values)]
-                if cands and name in unknown:  # a knob the model never saw: its default (else the first allowed)
-                    cands = [next((c for c in cands if c[0] == unknown[name]), cands[0])]
-                if len(cands) > 1:
-                    batch.append((node, cands))
-                elif cands and not cands[0][1] and node.lp is not None:
-                    # assigned without a token: the child is the node's KV state and logits, and takes them over
-                    child = _Node(node.neg, node.values + (cands[0][0],), node.tokens, node.own, node.parent, node.seq,
-                                  node.lp, cands[0][2])
-                    if node.seq is not None and self._owners.get(node.seq) is node:
-                        self._owners[node.seq] = child
-                    self._push(heap, tie, child)
-                elif cands:  # one admissible value has probability 1 after renormalisation: nothing to decode
-                    v, toks, left = cands[0]
-                    parent, own = (node.parent, node.own + len(toks)) if node.lp is None else (node, len(toks))
-                    self._push(heap, tie, _Node(node.neg, node.values + (v,), node.tokens + toks, own, parent,
-                                                pending=left))
+            batch = self._gather(heap, tie, per, space, fields, unknown, extra)
             expansions += len(batch)
             if batch:
                 decodes += self._expand(batch, heap, tie, n_prompt)
@@ -292,6 +268,43 @@ class Proposer:
             out[n_exact:] = sorted(out[n_exact:], key=lambda p: -p.logprob)
         return ProposeResult(out, (time.perf_counter() - t0) * 1e3, expansions, decodes, prompt,
                              (time.thread_time() - c0) * 1e3, exact)
+
+    def _prefill(self, ptoks: list[int]) -> Any:
+        """Decode the prompt into sequence 0 of a cleared cache; the logits after its last token."""
+        m = self.m
+        m.clear()
+        b = _Batch()
+        for i, t in enumerate(ptoks):
+            b.add(t, i, [0], i == len(ptoks) - 1)
+        return m.decode(b)[len(ptoks) - 1]
+
+    def _gather(self, heap: list, tie, per: int, space: SearchSpace, fields: list, unknown: Mapping[str, Any],
+                extra: Callable[[Config], bool | None] | None) -> list[tuple[_Node, list]]:
+        """Pop up to `per` open nodes whose next field has a choice to decode (the batch for `_expand`); a node
+        with one admissible value gets its child pushed at once, without decoding."""
+        names = self._names
+        batch: list[tuple[_Node, list]] = []
+        while heap and len(batch) < per and len(heap[0][2].values) < len(fields):
+            node = heapq.heappop(heap)[2]
+            cands = candidates(space, fields, names, node, extra)
+            name = names[len(node.values)]
+            if cands and name in unknown:  # a knob the model never saw: its default (else the first allowed)
+                cands = [next((c for c in cands if c[0] == unknown[name]), cands[0])]
+            if len(cands) > 1:
+                batch.append((node, cands))
+            elif cands and not cands[0][1] and node.lp is not None:
+                # assigned without a token: the child is the node's KV state and logits, and takes them over
+                child = _Node(node.neg, node.values + (cands[0][0],), node.tokens, node.own, node.parent, node.seq,
+                              node.lp, cands[0][2])
+                if node.seq is not None and self._owners.get(node.seq) is node:
+                    self._owners[node.seq] = child
+                self._push(heap, tie, child)
+            elif cands:  # one admissible value has probability 1 after renormalisation: nothing to decode
+                v, toks, left = cands[0]
+                parent, own = (node.parent, node.own + len(toks)) if node.lp is None else (node, len(toks))
+                self._push(heap, tie, _Node(node.neg, node.values + (v,), node.tokens + toks, own, parent,
+                                            pending=left))
+        return batch
 
     def _expand(self, batch: list[tuple[_Node, list]], heap: list, tie, n_prompt: int) -> int:
         """Materialise each node's KV + logits, score every candidate value of its next field, push children."""
