@@ -1,9 +1,10 @@
 """Verbs `daemon`, `status`, `retune`, `ping`, `config check` and `notify firmware-changed`.
 
-All but `daemon` and `config check` talk to a running daemon over the control socket; when it is down they say
-so and exit 1 (`status`, `ping` and `retune` with `--json` as a JSON object on stdout; `notify` instead leaves a
-marker the daemon reads at its next start). A running daemon that answers with an error is not "down": that is its
-error, exit 1 (2 for bad input).
+All but `daemon` and `config check` talk to a running daemon over the control socket; when it is down, or does not
+answer (a timeout, a connection closed without a reply, an unreadable reply), they say so and exit 1 (`status`,
+`ping` and `retune` with `--json` as a JSON object on stdout, `running` false or, when something holds the socket
+but does not answer, null; `notify` instead leaves a marker the daemon reads at its next start). A running daemon
+that answers with an error is not "down": that is its error, exit 1 (2 for bad input).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any, Callable
 from edgetune import config as config_mod
 from daemon import control, firmware
 from edgetune.errors import BadInput, EdgetuneError
+from edgetune.protocol import TERMINAL_STATES
 from edgetune.sqlite import DBError, DBFull
-from edgetune.output import emit, fmt, json_flag, progress, say, table
+from edgetune.output import emit, fmt, fmt_ms, json_flag, progress, say, table
 
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     events = p.add_subparsers(dest="event", required=True)
     q = events.add_parser("firmware-changed", help="the firmware changed: retune everything")
     q.add_argument("--source", required=True, choices=firmware.SOURCES, help="the update framework")
+    q.add_argument("--next-boot", action="store_true",
+                   help="the new firmware runs after the next reboot (a hook on the old system, before it): only "
+                        "leave the marker, so the daemon retunes the new image when it starts there")
     json_flag(q)
     q.set_defaults(func=cmd_notify_firmware)
 
@@ -115,10 +120,12 @@ def _json_when_down(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argpa
     def run(args: argparse.Namespace) -> int:
         try:
             return cmd(args)
-        except control.NotListening as e:
+        except (control.NotListening, control.NoReply) as e:
             if not args.json:
                 raise
-            emit({"running": False, "socket": str(e.path), "reason": e.reason, "error": str(e)}, True)
+            running = False if isinstance(e, control.NotListening) else None
+            emit({"running": running, "socket": str(e.path), "reason": e.reason, "error": str(e),
+                  "exit_code": e.exit_code}, True)
             return e.exit_code
     return run
 
@@ -155,7 +162,7 @@ def _render_status(st: dict) -> None:
         ["queue", f"{queue.get('jobs', 0)} job(s), {queue.get('targets', 0)} workload(s)"],
         ["broker", link],
         ["outbox", f"{ob.get('messages', 0)} message(s), {ob.get('bytes', 0)} B, {ob.get('dropped', 0)} dropped"],
-        ["last tune", f"{last['target']} {fmt(last['ms'], 4)} ms, speedup {fmt(last['speedup'], 2)}x "
+        ["last tune", f"{last['target']} {fmt_ms(last['ms'])} ms, speedup {fmt(last['speedup'], 2)}x "
                       f"at {_ago(last['tuned_at'])}" if last else "-"],
         ["model", _model_line(st.get("model"), st.get("model_update"))],
     ]
@@ -196,6 +203,9 @@ def cmd_retune(args: argparse.Namespace) -> int:
             last = _checked(reply)
             if bar and task is not None:
                 bar.update(task, completed=reply.get("progress") or 0, description=reply.get("message") or "retune")
+    if args.wait and last.get("status") not in TERMINAL_STATES:  # the daemon stopped or died meanwhile
+        raise control.NoReply(control.socket_path(), f"connection closed before a final status (last: "
+                              f"{last.get('status')}, command {last.get('id')})")
     emit(last, args.json, lambda r: say(
         f"retune {r['id']}: {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")))
     return {"rejected": 2, "failed": 1}.get(last.get("status", ""), 0)
@@ -245,12 +255,18 @@ def secret_warnings(cfg: Any, files: list[str]) -> list[str]:
 
 
 def cmd_notify_firmware(args: argparse.Namespace) -> int:
-    try:
-        reply = _one({"op": "notify", "event": "firmware-changed", "source": args.source})
-        doc = {"delivered": True, "command_id": reply.get("id")}
-    except control.DaemonDown:
-        doc = {"delivered": False, "marker": str(firmware.write_marker(args.source))}
+    """A running daemon retunes now (the new firmware runs already); with --next-boot, or with the daemon down,
+    the marker waits for the daemon's next start."""
+    doc: dict[str, Any] = {"delivered": False}
+    if not args.next_boot:
+        try:
+            reply = _one({"op": "notify", "event": "firmware-changed", "source": args.source})
+            doc = {"delivered": True, "command_id": reply.get("id")}
+        except control.DaemonDown:
+            pass
+    if not doc["delivered"]:
+        doc["marker"] = str(firmware.write_marker(args.source))
     emit(doc, args.json, lambda d: say(
         f"daemon notified: retune {d['command_id']}" if d["delivered"]
-        else f"daemon not running: left {d['marker']} for its next start"))
+        else f"left {d['marker']} for the daemon's next start"))
     return 0

@@ -21,13 +21,16 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from daemon.store import Journal
-from edgetune.errors import BadInput
+from edgetune.errors import BadInput, EdgetuneError
 from edgetune.protocol import CMD_REQ, ID_RULE, INVALID_ID, MAX_COMMAND_BYTES, OPS, ProtocolError, decode, valid_id
 from edgetune.protocol import OPEN_STATES as OPEN, ORIGIN_FLEET, TERMINAL_STATES as TERMINAL
 
 log = logging.getLogger(__name__)
 
 JOURNAL_KEEP_S = 30 * 86400.0  # a repeated id is recognised for this long
+MAX_EPOCH_S = 253402300799  # 9999-12-31T23:59:59Z
+MAX_REASON = 300  # a reason echoes the sender's input (a name, a value): never more than this many characters
+STOPPING = "stopping: the daemon is shutting down; send the command again once it is back"
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,30 @@ class Rejected(Exception):
     pass
 
 
+class Stopping(EdgetuneError):
+    """A local command refused because the daemon is shutting down (exit 1: try again later)."""
+
+
+def bounded(reason: str | None) -> str | None:
+    """A reason cut to MAX_REASON characters in its middle: it may quote a 16 KB name the sender gave, which the
+    response (and the journal) should not carry back whole, while its end says what was wrong."""
+    if reason is None or len(reason) <= MAX_REASON:
+        return reason
+    return reason[:MAX_REASON // 2] + "…" + reason[-(MAX_REASON // 2 - 1):]  # the tail says why: keep it
+
+
 def _expired(expires_at: Any, now: float) -> bool:
     """expires_at: epoch seconds or an ISO 8601 time (UTC when it has no offset); null means never."""
     if expires_at is None:
         return False
     if isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool):
-        if not math.isfinite(expires_at):  # JSON NaN / Infinity: would never expire
+        # JSON NaN / Infinity would never expire; an int is compared exactly (math.isfinite overflows on a
+        # 400-digit one, and its repr may be too long to print)
+        if isinstance(expires_at, float) and not math.isfinite(expires_at):
             raise Rejected(f"bad expires_at {expires_at!r}: give finite epoch seconds or ISO 8601")
+        if abs(expires_at) > MAX_EPOCH_S:
+            raise Rejected(f"bad expires_at: out of range; give epoch seconds up to {MAX_EPOCH_S} (the year 9999, "
+                           "the latest ISO 8601 can say) or ISO 8601")
         return expires_at < now
     if isinstance(expires_at, str):
         try:
@@ -127,6 +147,15 @@ class Commands:
         self.journal, self._respond, self._check, self._execute = journal, respond, check, execute
         self._watchers: dict[str, list[Callable[[dict], None]]] = {}
         self._lock = threading.Lock()
+        self._intake = threading.Lock()  # held while a command is journaled and handed to the executor
+        self._closed = False
+
+    def close(self) -> None:
+        """Take no more commands (the daemon is stopping): later ones are rejected with STOPPING. Returns once no
+        command is between its journal entry and the executor, so the executor may be shut down after it and a
+        command never gets `accepted` and then a second terminal status."""
+        with self._intake:
+            self._closed = True
 
     def handle(self, payload: bytes) -> None:
         """One cmd/req message. Never raises: a bad request is a rejection, not a crash."""
@@ -143,7 +172,7 @@ class Commands:
         if cid is None:
             digest = hashlib.sha256(payload).hexdigest()
             log.warning("rejected cmd/req (%d bytes, sha256 %s): %s", len(payload), digest[:16], reason)
-            self._respond(None, {"id": None, "status": "rejected", "reason": reason, "request_sha256": digest,
+            self._respond(None, {"id": None, "status": "rejected", "reason": bounded(reason), "request_sha256": digest,
                                  "ts": now})
             return
         known = self.journal.response(cid)
@@ -170,8 +199,9 @@ class Commands:
             reason = self._checked(cmd)
         if reason:
             self._record(cid, op, args, origin, "rejected", reason)
-            raise BadInput(reason)
-        self._start(cmd, note)
+            raise BadInput(bounded(reason))
+        if not self._start(cmd, note):
+            raise Stopping(f"the daemon is {STOPPING}")
         return cmd
 
     def _checked(self, cmd: Command) -> str | None:
@@ -181,13 +211,22 @@ class Commands:
             return f"bad args: {e}"
         return None
 
-    def _start(self, cmd: Command, note: str | None = None) -> None:
-        if self._record(cmd.id, cmd.op, cmd.args, cmd.origin, "accepted", None, note):
-            self._execute(cmd)
+    def _start(self, cmd: Command, note: str | None = None) -> bool:
+        """Journal `cmd` as accepted and hand it to the executor; False when the daemon is stopping (then it is
+        journaled as rejected)."""
+        with self._intake:
+            if self._closed:
+                log.warning("rejected command %s: the daemon is stopping", cmd.id)
+                self._record(cmd.id, cmd.op, cmd.args, cmd.origin, "rejected", STOPPING, note)
+                return False
+            if self._record(cmd.id, cmd.op, cmd.args, cmd.origin, "accepted", None, note):
+                self._execute(cmd)
+        return True
 
     def _record(self, cid: str, op: str | None, args: dict | None, origin: str, status: str, reason: str | None,
                 note: str | None = None) -> bool:
-        doc = self._doc(cid, op, origin, status, 0.0 if status == "accepted" else None, reason, None, note=note)
+        doc = self._doc(cid, op, origin, status, 0.0 if status == "accepted" else None, bounded(reason), None,
+                        note=note)
         if not self.journal.insert(cid, op, args, origin, doc):
             return False
         self._emit(cid, doc)
@@ -208,8 +247,8 @@ class Commands:
             return  # a finished command stays finished (e.g. a late progress tick)
         if status in TERMINAL:
             progress = 1.0 if status == "succeeded" else prev.get("progress")
-        doc = self._doc(cmd_id, prev.get("op"), prev.get("origin", ORIGIN_FLEET), status, progress, reason, result,
-                        message, prev.get("note"))
+        doc = self._doc(cmd_id, prev.get("op"), prev.get("origin", ORIGIN_FLEET), status, progress, bounded(reason),
+                        result, message, prev.get("note"))
         self.journal.update(cmd_id, doc)
         self._emit(cmd_id, doc)
 

@@ -9,7 +9,10 @@ from pathlib import Path
 from edgetune.config import Section, positive
 from edgetune.errors import BadInput
 from edgetune.release import MAX_MODEL_BYTES
+from hwprobe import cpuinfo, isa
 from hwprobe.isa import LADDERS
+
+ROOT = Path("/")  # the live system: the device whose config this is
 
 
 @dataclass
@@ -22,8 +25,18 @@ class DaemonKeys:
 
 
 def _isa(v: str) -> str | None:
-    names = [r.name for ladder in LADDERS.values() for r in ladder]
-    return None if v == "" or v in names else f"{v!r} is no ISA level; one of {', '.join(names)}"
+    """Checked against the levels this device's CPU has, not every arch's: a level of another arch (or above this
+    CPU) passed `config check` and then stopped the daemon at start, with a message naming a CLI flag."""
+    if v == "":
+        return None
+    cpu = cpuinfo.parse(ROOT, live=True)
+    names = [r.name for r in LADDERS.get(cpu.arch, ())]
+    if not names:
+        return f"{v!r}: this {cpu.arch} device has no ISA levels to cap; leave isa empty"
+    top = names.index(isa.detect(cpu.arch, cpu.flags, ROOT).detected_isa)
+    allowed = names[:top + 1]
+    return None if v in allowed else (f"{v!r} is not an ISA level of this {cpu.arch} device; one of "
+                                      f"{', '.join(allowed)}, or empty for the CPU's own")
 
 
 @dataclass

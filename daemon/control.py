@@ -42,6 +42,15 @@ class NotListening(DaemonDown):
         self.path, self.reason = path, reason
 
 
+class NoReply(EdgetuneError):
+    """Something holds the control socket but gave no usable answer (exit 1): it timed out, closed the connection
+    early or sent what is not JSON. `reason` says which, for `--json` output as for DaemonDown."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{reason} (control socket {path}); its log says why: `journalctl -u edgetune`")
+        self.path, self.reason = path, reason
+
+
 class AlreadyRunning(EdgetuneError):
     pass
 
@@ -67,9 +76,19 @@ class _Conn(socketserver.StreamRequestHandler):
             except ValueError:
                 send({"ok": False, "error": "bad request: one JSON object per line expected"})
                 return
-            self.server.handler(req, send)  # type: ignore[attr-defined]
+            self._serve(req, send)
         except (BrokenPipeError, ConnectionResetError):  # the client went away (e.g. ^C on --wait)
             pass
+
+    def _serve(self, req: dict, send: Send) -> None:
+        """The handler's answer; a bug in it is an error reply, not a dropped connection the client cannot read."""
+        try:
+            self.server.handler(req, send)  # type: ignore[attr-defined]
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as e:
+            log.exception("control request %.100s failed", json.dumps(req, default=str))
+            send({"ok": False, "error": f"internal error: {type(e).__name__}: {str(e)[:200]}", "exit": 1})
 
 
 class ControlServer:
@@ -104,7 +123,9 @@ class ControlServer:
 
 
 def request(req: dict[str, Any], timeout: float | None = 10.0, path: Path | None = None) -> Iterator[dict]:
-    """Send one request; yield the reply lines. Raises DaemonDown when nothing listens on the socket."""
+    """Send one request; yield the reply lines (at least one). Raises DaemonDown when nothing listens on the
+    socket, NoReply when what listens does not answer within `timeout` s per line, closes without a reply or
+    sends a line that is not a JSON object."""
     path = path or socket_path()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
@@ -122,5 +143,31 @@ def request(req: dict[str, Any], timeout: float | None = 10.0, path: Path | None
     with s, s.makefile("rwb") as f:
         f.write(json.dumps(req).encode() + b"\n")
         f.flush()
-        for line in f:
-            yield json.loads(line)
+        replies = 0
+        for line in _lines(f, path, timeout):
+            yield _reply(line, path)
+            replies += 1
+        if not replies:
+            raise NoReply(path, "daemon closed the connection without a reply")
+
+
+def _lines(f: Any, path: Path, timeout: float | None) -> Iterator[bytes]:
+    """The reply lines as they come; a silence longer than `timeout` is NoReply."""
+    while True:
+        try:
+            line = f.readline()
+        except TimeoutError:
+            raise NoReply(path, f"daemon not answering within {timeout:g} s") from None
+        if not line:
+            return
+        yield line
+
+
+def _reply(line: bytes, path: Path) -> dict:
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise NoReply(path, f"daemon sent an unreadable reply: {line[:80]!r}")
+    return doc

@@ -1,7 +1,10 @@
-"""The firmware-changed marker: how an update hook tells a daemon that is not running.
+"""The firmware-changed marker: how an update hook tells the daemon's next start that the firmware changed.
 
 `<state_dir>/firmware-changed` holds {"source", "ts"}, written atomically (tmp + rename) so a daemon starting at
-the same moment never reads half of it. The daemon consumes it once the retune it causes is journaled.
+the same moment never reads half of it. Update hooks that run on the old system before the reboot (RAUC,
+SWUpdate) always leave it, since a running daemon would retune the old image. The daemon rewrites it with the
+`command` of the firmware retune it queued, and removes it only once that retune finished (not interrupted): a
+stop before that retunes again at the next start.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ def marker_path() -> Path:
     return paths.state_dir() / "firmware-changed"
 
 
-def write_marker(source: str) -> Path:
-    """Leave the marker for the daemon's next start. A state dir that cannot take it (a full disk, a read-only
-    filesystem) is an EdgetuneError naming the file and the fix for that cause: the update hook must hear that no
-    retune was queued."""
+def write_marker(source: str, command: str | None = None) -> Path:
+    """Leave the marker for the daemon's next start (`command`: the firmware retune the daemon queued for it). A
+    state dir that cannot take it (a full disk, a read-only filesystem) is an EdgetuneError naming the file and
+    the fix for that cause: the update hook must hear that no retune was queued."""
     p = marker_path()
+    doc = {"source": source, "ts": time.time()} | ({"command": command} if command else {})
     try:
-        write_atomic(p, json.dumps({"source": source, "ts": time.time()}).encode(), mode=0o644)
+        write_atomic(p, json.dumps(doc).encode(), mode=0o644)
     except OSError as e:
         fix = FIXES.get(e.errno, f"make {p.parent} a writable directory")
         raise EdgetuneError(f"cannot leave the firmware-changed marker {p} for the daemon ({e.strerror}): {fix}, "

@@ -1,4 +1,5 @@
-"""The tuning thread: one job at a time, later requests coalesced into a single pending job.
+"""The tuning thread: one job at a time; later requests queue, coalesced into one pending job per settings
+(strategy, budget, objective, power meter, time cap), so each request is tuned with its own.
 
 Each workload is tuned in a child process (daemon.tunejob) so the daemon itself stays small. Background work (the
 start-up plan, firmware retunes) waits until the machine is idle enough (load1 per core under the threshold),
@@ -46,14 +47,16 @@ class Job:
     power: PowerConfig = field(default_factory=PowerConfig)  # the [power] meter, for energy/edp objectives
     max_s: float | None = None  # a time cap per workload (fleet commands), on top of the evals budget
 
+    def settings(self) -> tuple:
+        """What a tune of this job is run with: only jobs with equal settings are merged, so a request never
+        runs with another's budget, strategy or time cap."""
+        return self.strategy, self.budget, self.objective, self.power, self.max_s
+
     def merge(self, later: "Job") -> None:
-        """Coalesce a later request: union of targets (force if either forces), the later strategy and budget."""
+        """Coalesce a later request with the same settings: union of targets (force if either forces)."""
         for name, t in later.targets.items():
             old = self.targets.get(name)
             self.targets[name] = Target(t.spec, t.workload, force=t.force or bool(old and old.force))
-        self.strategy, self.budget = later.strategy, later.budget
-        self.objective, self.power = later.objective, later.power
-        self.max_s = None if self.max_s is None or later.max_s is None else max(self.max_s, later.max_s)
         self.origin = max(self.origin, later.origin, key=ORIGIN_RANK.index)
         self.command_ids += later.command_ids
         self.wait_idle = self.wait_idle and later.wait_idle
@@ -86,7 +89,7 @@ class Scheduler:
         self.hw, self.events, self.idle_threshold = hw, events, idle_threshold
         self.state = "idle"  # idle | waiting-idle | tuning
         self._cond = threading.Condition()
-        self._pending: Job | None = None
+        self._pending: list[Job] = []  # in order; at most one per settings
         self._current: Job | None = None
         self._progress: tuple[float, str] = (0.0, "")
         self._stopping = False
@@ -102,14 +105,15 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._cond:
-            if self._pending:
-                self._pending.merge(job)
+            same = next((p for p in self._pending if p.settings() == job.settings()), None)
+            if same:
+                same.merge(job)
             else:
-                self._pending = job
+                self._pending.append(job)
             self._cond.notify_all()
 
-    def stop(self) -> Job | None:
-        """Stop after the measurement in flight; returns the pending job that never started."""
+    def stop(self) -> list[Job]:
+        """Stop after the measurement in flight; returns the pending jobs that never started."""
         with self._cond:
             self._stopping = True
             if self._child:
@@ -118,7 +122,7 @@ class Scheduler:
         if self._thread.ident is not None:  # never started (the start-up failed): nothing to join
             self._thread.join()
         with self._cond:
-            left, self._pending = self._pending, None
+            left, self._pending = self._pending, []
         return left
 
     def pause(self, paused: bool) -> None:
@@ -133,7 +137,7 @@ class Scheduler:
             return {"state": self.state,
                     "job": cur.describe() | {"progress": self._progress[0], "message": self._progress[1]}
                     if cur else None,
-                    "queue": {"jobs": int(pend is not None), "targets": len(pend.targets) if pend else 0}}
+                    "queue": {"jobs": len(pend), "targets": sum(len(p.targets) for p in pend)}}
 
     def _run(self) -> None:
         while True:
@@ -142,16 +146,28 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job, self._pending = self._pending, None
+                job = self._pending.pop(0)
                 self._current, self._progress = job, (0.0, "")
-            self.events.job_started(job)
             try:
-                outcome = self._tune(job)
-            finally:
-                with self._cond:
-                    self._current = None
-                    self.state = "idle"
-            self.events.job_finished(job, outcome)
+                self._run_job(job)
+            except Exception:  # an event handler's bug: this job's commands stay open, the thread lives on
+                log.exception("tuning job %s: reporting it failed", ", ".join(job.targets))
+
+    def _run_job(self, job: Job) -> None:
+        """One job, start to finish. An unexpected error fails it with the reason, rather than ending the tuner
+        thread with its commands left open for good."""
+        self.events.job_started(job)
+        try:
+            outcome = self._tune(job)
+        except Exception as e:
+            log.exception("tuning job %s failed", ", ".join(job.targets))
+            outcome = Outcome(failed=[{"target": ", ".join(job.targets),
+                                       "reason": f"internal error: {type(e).__name__}: {e}"}])
+        finally:
+            with self._cond:
+                self._current = None
+                self.state = "idle"
+        self.events.job_finished(job, outcome)
 
     def _idle(self, job: Job) -> bool:
         """Wait (if the job is background work) until load1 per core is under the threshold; False on stop."""
@@ -217,8 +233,11 @@ class Scheduler:
                 self._child = child
                 if self._stopping:  # stop() came between the idle check and the spawn
                     child.terminate()
-            child.stdin.write(json.dumps(req) + "\n")
-            child.stdin.close()
+            try:
+                child.stdin.write(json.dumps(req) + "\n")
+                child.stdin.close()
+            except BrokenPipeError:  # stopped (or dead) before it read the request: the exit code says which
+                pass
             reply: dict = {}
             for line in child.stdout:
                 reply = json.loads(line)
@@ -228,6 +247,8 @@ class Scheduler:
             code = child.wait()
             with self._cond:
                 self._child = None
-        if "progress" in reply or not reply:
-            return {"error": f"the tune process exited with code {code}"}
+                stopping = self._stopping
+        if "progress" in reply or not reply:  # no final line: killed, or it crashed
+            # a stop while it was starting (before its SIGTERM handler) ends it with -15: that is an interruption
+            return {"stopped": True} if stopping else {"error": f"the tune process exited with code {code}"}
         return reply

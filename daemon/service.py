@@ -58,6 +58,8 @@ class Daemon:
     def __init__(self, cfg: Config, config_path: str | None):
         self.cfg, self.config_path = cfg, config_path
         self._wake = Wakeup()  # set by the signal handlers: an Event there can deadlock the main loop
+        self._halt = threading.Event()  # set by _shutdown: ends the other threads' waits for disk space
+        self._marker_lock = threading.Lock()  # the firmware marker: written by commands, cleared by the tuner
         self._stop = False
         self._reload = False
         self._ready = False
@@ -136,6 +138,22 @@ class Daemon:
             return True
         return False
 
+    def _tuner_step(self, step: Callable[[], None]) -> bool:
+        """A scheduler event's writes (journal, outbox) on the tuner thread: on a full disk the daemon pauses and the
+        tuner waits here, its job held, until there is space again; False when the daemon stops meanwhile (its
+        open commands are then reported interrupted at the next start). Tried at least once, also while stopping:
+        a stop's own `interrupted` goes this way. Without this a DBFull killed the tuner thread for good."""
+        while True:
+            try:
+                step()
+            except DBFull as e:
+                self._pause(str(e))
+                if self._halt.wait(DISK_RETRY_S):
+                    return False
+                continue
+            self._resume()
+            return True
+
     def _still_starting(self) -> None:
         """Paused before READY: the start would otherwise hit the unit's TimeoutStartSec, and Restart=on-failure
         would loop on a full disk. Each retry extends the start timeout past the next one, and keeps the watchdog
@@ -166,14 +184,14 @@ class Daemon:
         checked(self.db())
         self.active_doc = self.db().active_document()
         if getattr(self, "store", None) is None:
-            self.store = rederivable(DaemonStore)
+            self.store = rederivable(DaemonStore, DaemonStore.reseed)
         self.session = self.store.next_session()
         if getattr(self, "outbox", None) is None:
             self.outbox = rederivable(lambda: Outbox(max_bytes=self.cfg.outbox.max_bytes,
                                                      max_age_s=self.cfg.outbox.max_age_s,
                                                      resend_s=self.cfg.outbox.resend_s))
         self.journal = Journal(self.store)
-        self.telemetry = Telemetry(self.store.next_seq)
+        self.telemetry = Telemetry(self.store.next_seq, self.store.get("epoch"))
         self.publisher = Publisher(self.outbox, Topics(self.cfg.device_id), broker=bool(self.cfg.mqtt.host),
                                    fleet_ack=self.cfg.outbox.fleet_ack)
         self.commands = Commands(self.journal, self.publisher.response, self._check, self._execute)
@@ -252,13 +270,13 @@ class Daemon:
                                       power=self.cfg.power))
 
     def _first_plan(self) -> None:
-        """A firmware change (marker from an update hook, or a new fw_fingerprint) retunes everything; otherwise
-        only what has no current result is tuned, in the background."""
+        """A firmware change (marker from an update hook or from a firmware retune a stop interrupted, or a new
+        fw_fingerprint) retunes everything; otherwise only what has no current result is tuned, in the
+        background. The fingerprint is stored after the retune was queued, which left the marker for it."""
         prev_fw = self.store.get("fw_fingerprint")
         marker = firmware.read_marker()
         if marker or (prev_fw and prev_fw != self.hw.fw_fingerprint):
             self._firmware_changed(str((marker or {}).get("source", "fw_fingerprint")))
-            firmware.clear_marker()
         else:
             self._plan()
         self.store.set("fw_fingerprint", self.hw.fw_fingerprint)
@@ -274,14 +292,31 @@ class Daemon:
 
     def _firmware_changed(self, source: str) -> Command | None:
         """Retune everything, forced. The old configs stay active until new ones are measured (the tuner replaces
-        an entry only when its session finishes)."""
+        an entry only when its session finishes). The marker, naming the command, stays until that retune
+        finished (see _firmware_settled): a stop before that retunes again at the next start."""
         log.info("firmware changed (%s): retuning every workload", source)
-        try:
-            return self.commands.local("retune", {"force": True}, ORIGIN_FIRMWARE_HOOK,
-                                       note=f"firmware changed ({source})")
-        except BadInput as e:  # nothing configured to tune: journaled as rejected, nothing else to do
-            log.error("firmware retune: %s", e)
-            return None
+        with self._marker_lock:
+            try:
+                cmd = self.commands.local("retune", {"force": True}, ORIGIN_FIRMWARE_HOOK,
+                                          note=f"firmware changed ({source})")
+            except BadInput as e:  # nothing configured to tune: journaled as rejected, nothing else to do
+                log.error("firmware retune: %s", e)
+                firmware.clear_marker()
+                return None
+            try:
+                firmware.write_marker(source, command=cmd.id)
+            except EdgetuneError as e:  # it still runs; only a stop before it finishes would lose it
+                log.error("firmware retune %s: %s", cmd.id, e)
+        return cmd
+
+    def _firmware_settled(self, finished: list[str]) -> None:
+        """Commands `finished` ran to their end (not interrupted): if the marker names one of them, the firmware
+        retune it stood for is done. A marker naming no command (an update hook's, for the next boot) or a newer
+        retune stays."""
+        with self._marker_lock:
+            marker = firmware.read_marker()
+            if marker and marker.get("command") in finished:
+                firmware.clear_marker()
 
     def _loop(self) -> None:
         watchdog = sdnotify.watchdog_interval()
@@ -327,12 +362,16 @@ class Daemon:
         return not dead
 
     def _shutdown(self) -> None:
+        """Commands first: one that arrives from here on is rejected (`stopping`), never accepted into an executor
+        that is going away; then the tuner, the ops, the model updater and the broker link."""
         self._stop = True
+        self._halt.set()
         sdnotify.notify(STOPPING=1, STATUS="stopping")
+        if self.commands:
+            self.commands.close()
         if self.scheduler:
-            left = self.scheduler.stop()
-            for cid in left.command_ids if left else ():
-                self.commands.update(cid, "failed", reason="interrupted")
+            for job in self.scheduler.stop():
+                self._update_all(job.command_ids, "failed", reason="interrupted")
         if self.ops:
             self.ops.shutdown(wait=True)
         if self.updater:
@@ -457,8 +496,8 @@ class Daemon:
 
     def job_started(self, job: Job) -> None:
         log.info("tuning %d workload(s) (%s)", len(job.targets), job.origin)
-        for cid in job.command_ids:
-            self.commands.update(cid, "in_progress", progress=0.0, message=f"tuning {len(job.targets)} workload(s)")
+        self._tuner_step(lambda: self._update_all(job.command_ids, "in_progress", progress=0.0,
+                                                  message=f"tuning {len(job.targets)} workload(s)"))
         sdnotify.notify(STATUS=self._status_line())
 
     def job_progress(self, job: Job, fraction: float, message: str) -> None:
@@ -466,25 +505,34 @@ class Daemon:
         if now - self._progress_at < PROGRESS_EVERY_S:
             return
         self._progress_at = now
-        for cid in job.command_ids:
-            self.commands.update(cid, "in_progress", progress=round(fraction, 4), message=message)
+        self._tuner_step(lambda: self._update_all(job.command_ids, "in_progress", progress=round(fraction, 4),
+                                                  message=message))
 
     def tuned(self, db: ResultsDB, target: targets.Target, result: dict | None) -> None:
-        self.active_doc = db.active_document()
-        self.publisher.config_active(self.active_doc)
-        records.sweep(db, self.store, self.publisher, self.cfg.device_id, self.hw, self.model)
+        def publish() -> None:
+            self.active_doc = db.active_document()
+            self.publisher.config_active(self.active_doc)
+            records.sweep(db, self.store, self.publisher, self.cfg.device_id, self.hw, self.model)
+
+        self._tuner_step(publish)
 
     def job_finished(self, job: Job, outcome: Outcome) -> None:
-        for cid in job.command_ids:
-            if outcome.interrupted:
-                self.commands.update(cid, "failed", reason="interrupted", result={"tuned": outcome.tuned})
-            elif outcome.failed:
-                self.commands.update(cid, "failed", reason=f"{len(outcome.failed)} of {len(job.targets)} "
-                                     f"workload(s) failed: {outcome.failed[0]['reason']}",
-                                     result={"tuned": outcome.tuned, "failed": outcome.failed})
-            else:
-                self.commands.update(cid, "succeeded", result={"tuned": outcome.tuned})
+        if outcome.interrupted:
+            final = {"status": "failed", "reason": "interrupted", "result": {"tuned": outcome.tuned}}
+        elif outcome.failed:
+            final = {"status": "failed", "reason": f"{len(outcome.failed)} of {len(job.targets)} workload(s) "
+                     f"failed: {outcome.failed[0]['reason']}", "result": {"tuned": outcome.tuned,
+                                                                           "failed": outcome.failed}}
+        else:
+            final = {"status": "succeeded", "result": {"tuned": outcome.tuned}}
+        if self._tuner_step(lambda: self._update_all(job.command_ids, **final)) and not outcome.interrupted:
+            self._firmware_settled(job.command_ids)
         sdnotify.notify(STATUS=self._status_line())
+
+    def _update_all(self, command_ids: list[str], status: str, **kw: Any) -> None:
+        """The same new state for each command of a job (repeatable: a terminal status is never overwritten)."""
+        for cid in command_ids:
+            self.commands.update(cid, status, **kw)
 
     # ---- local control -------------------------------------------------------------------------------------
 
@@ -534,7 +582,7 @@ class Daemon:
                 if req.get(k) is not None and req.get(k) is not False}
         try:
             cmd = self.commands.local("retune", args, ORIGIN_LOCAL)
-        except EdgetuneError as e:
+        except EdgetuneError as e:  # bad input, or the daemon is stopping
             send({"ok": False, "error": str(e), "exit": e.exit_code})
             return
         if not req.get("wait"):

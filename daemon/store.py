@@ -62,9 +62,9 @@ def checked(store: S) -> S:
     return store
 
 
-def rederivable(open_store: Callable[[], S]) -> S:
+def rederivable(open_store: Callable[[], S], recovered: Callable[[S], None] | None = None) -> S:
     """Open (and check) a store whose contents the daemon can rebuild; a corrupt file is moved aside, never
-    deleted, and a fresh one started."""
+    deleted, and a fresh one started (then passed to `recovered`, to re-seed what must not repeat)."""
     try:
         store = open_store()
     except DBCorrupt as e:
@@ -78,7 +78,10 @@ def rederivable(open_store: Callable[[], S]) -> S:
     aside = move_aside(bad.path)
     log.error("%s: moved it aside to %s and starting a fresh one (its contents are re-derivable)",
               str(bad).partition(";")[0], aside)
-    return open_store()
+    fresh = open_store()
+    if recovered:
+        recovered(fresh)
+    return fresh
 
 
 class DaemonStore(Store):
@@ -97,6 +100,14 @@ class DaemonStore(Store):
     def set(self, key: str, value: Any) -> None:
         with self.tx() as c:
             c.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+    def reseed(self) -> None:
+        """A fresh file in place of a corrupt one: the counters the old one held are lost and must not repeat.
+        The session counter goes on from the clock (unix seconds: more than any count of starts), and an `epoch`
+        (the same seconds) goes into telemetry's boot_id, so (boot_id, seq) is new even within this boot."""
+        now = json.dumps(int(time.time()))
+        with self.tx() as c:
+            c.executemany("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", [("session", now), ("epoch", now)])
 
     def next_session(self) -> int:
         with self.tx() as c:

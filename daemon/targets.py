@@ -51,6 +51,9 @@ def select(pairs: list[Pair], kernels: list[str] | None, workloads: list[str] | 
                     hits = [(spec, resolve(spec, name, None))]
                 except BadInput as e:  # name the whole string the sender gave, then why
                     raise BadInput(f"unknown workload {w!r}: {e}") from None
+                except (OverflowError, ValueError):  # a dimension too large for a float (its buffer size) or int()
+                    raise BadInput(f"unknown workload {w!r}: a shape dimension is far too large; give dimensions "
+                                   "of a real layer") from None
             if not hits:
                 known = ", ".join(f"{s.name}/{x.name}" for s, x in chosen)
                 raise BadInput(f"unknown workload {w!r}; configured: {known}")

@@ -45,8 +45,10 @@ def _freq_mhz() -> float | None:
 
 
 class Telemetry:
-    def __init__(self, next_seq: Callable[[str], int]):
-        self.boot_id = boot_id()
+    def __init__(self, next_seq: Callable[[str], int], epoch: int | None = None):
+        """`epoch`: set once daemon.db was recovered (DaemonStore.reseed): the seq counter of this boot was lost
+        with the old file, so the boot_id gets `+<epoch>` and its seq starts afresh from 0."""
+        self.boot_id = boot_id() + (f"+{epoch}" if epoch else "")
         self._next_seq = next_seq
         self._proc = psutil.Process()
         psutil.cpu_percent(None)  # prime: the first sample then covers the first interval

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from edgetune.protocol import parse_topic
+from tests.polling import wait_until
 from tests.test_daemon_support import Bus, DaemonProc, daemon_config, retained
 
 DEV = "edgetune/v1/dev-test"
@@ -131,7 +132,7 @@ def test_status_json_says_the_daemon_is_down_on_stdout(tmp_path):
     r = d.cli("status", "--json")
     doc = json.loads(r.stdout)
     assert r.returncode == 1 and (doc["running"], doc["socket"], doc["reason"]) == (False, sock, "no control socket")
-    assert "the edgetune daemon is not running" in doc["error"]
+    assert "the edgetune daemon is not running" in doc["error"] and doc["exit_code"] == 1
     os.makedirs(os.path.dirname(sock), exist_ok=True)
     with socket.socket(socket.AF_UNIX) as stale:  # bound, never listening: what a killed daemon leaves behind
         stale.bind(sock)
@@ -172,7 +173,8 @@ def test_an_error_from_a_running_daemon_is_not_called_daemon_down(tmp_path):
             assert r.returncode == 1 and "the daemon replied with an error: the daemon is paused" in said, said
             r = d.cli("notify", "firmware-changed", "--source", "mender", "--json")
             said = " ".join(r.stderr.split())
-            assert r.returncode == 1 and r.stdout == "" and "replied with an error" in said, (r.stdout, said)
+            assert r.returncode == 1 and "replied with an error" in said, (r.stdout, said)
+            assert "replied with an error" in json.loads(r.stdout)["error"], r.stdout  # --json: the error as JSON
             assert not (fs / "firmware-changed").exists()
             assert d.signal(signal.SIGTERM) == 0
         finally:
@@ -236,7 +238,7 @@ def test_firmware_marker_and_notify_retune_everything(tmp_path, mosquitto):
         done = bus.on("/cmd/res/", lambda c: c["origin"] == "firmware-hook" and c["status"] == "succeeded", 60)
         assert done["id"].startswith("firmware-hook-") and done["op"] == "retune"
         assert done["note"] == "firmware changed (mender)"
-        assert not marker.exists()
+        wait_until(lambda: not marker.exists(), "the finished firmware retune to remove its marker")
 
         r = d.cli("notify", "firmware-changed", "--source", "rauc", "--json")
         cid = json.loads(r.stdout)["command_id"]

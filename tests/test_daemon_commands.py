@@ -142,6 +142,43 @@ def test_retunes_arriving_while_one_runs_are_coalesced(rig):
     assert len(runs) == 1
 
 
+def test_queued_requests_keep_their_own_budget_and_strategy(rig):
+    """A local `retune --budget 3` merged with a fleet retune of budget 7 ran both at 7 evals (and without the
+    fleet command's time cap): a merge took the later request's settings for both."""
+    d, bus = rig
+    fc = {"force": True, "strategy": "random", "workloads": ["kws_dscnn.fc"]}
+    send(bus, {"id": "own-a", "op": "retune", "args": fc | {"budget": 7}})
+    bus.on("/cmd/res/own-a", lambda c: c["status"] == "in_progress", 60)
+    local = d.request({"op": "retune", **fc, "budget": 3})["id"]  # both queue behind own-a
+    send(bus, {"id": "own-c", "op": "retune", "args": fc | {"budget": 7}})
+    evals = {}
+    for cid in (local, "own-c"):
+        res = bus.on(f"/cmd/res/{cid}", lambda c: c["status"] in ("succeeded", "failed"), 60)
+        assert res["status"] == "succeeded", res
+        evals[cid] = res["result"]["tuned"][0]["evals"]
+    assert evals == {local: 3, "own-c": 7}
+
+
+def test_huge_numbers_and_long_names_are_rejected_naming_the_field(rig):
+    """A 400-digit expires_at or shape dimension was `internal error: OverflowError` on cmd/res/invalid, the id
+    lost; a 16 KB kernel name was echoed back whole in the reason."""
+    d, bus = rig
+    huge = "9" * 400
+    send(bus, f'{{"id": "ov1", "op": "ping", "expires_at": {huge}}}'.encode())
+    res = bus.on("/cmd/res/ov1")
+    assert res["status"] == "rejected" and "bad expires_at" in res["reason"], res
+    send(bus, {"id": "ov2", "op": "retune", "args": {"workloads": [f"gemm/custom.M1-N1-K{huge}"]}})
+    res = bus.on("/cmd/res/ov2")
+    assert res["status"] == "rejected" and "shape dimension is far too large" in res["reason"], res
+    send(bus, {"id": "ov3", "op": "retune", "args": {"kernels": ["k" * 12000]}})
+    res = bus.on("/cmd/res/ov3")
+    assert res["status"] == "rejected" and "unknown kernel" in res["reason"] and len(res["reason"]) <= 300, res
+    r = d.cli("retune", "--workload", f"gemm/custom.M1-N1-K{huge}", "--json")  # the control socket alike
+    assert r.returncode == 2 and "shape dimension is far too large" in r.stderr, (r.stdout, r.stderr)
+    assert not bus.docs("/cmd/res/invalid") or all("internal error" not in c["reason"]
+                                                   for c in bus.docs("/cmd/res/invalid"))
+
+
 def test_probe_report_ping_ops(rig):
     d, bus = rig
     for op in ("probe", "report", "ping"):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+
+import pytest
 
 from edgetune import config
-from tests.test_daemon_support import DaemonProc
+from tests.test_daemon_support import REPO, DaemonProc
 
 
 def write(path, text):
@@ -88,9 +92,21 @@ def test_power_is_a_typed_section_checked_by_its_package(tmp_path):
         ("tuning.objective", "'edp' needs a power meter: set [power] meter (text, um or rapl)")]
 
 
-def test_an_isa_cap_names_a_level_of_some_arch(tmp_path):
-    cfg = write(tmp_path / "e.toml", 'isa = "x86-64-v9"\n')
+def test_an_isa_cap_names_a_level_of_this_device(tmp_path):
+    """`isa = "armv8-a"` on x86_64 passed `config check` (every arch's levels counted), then the daemon exited 2
+    naming the CLI flag --isa instead of the config key."""
+    from hwprobe import cpuinfo
+    from hwprobe.isa import LADDERS
+
+    arch = cpuinfo.host_arch()
+    if arch not in LADDERS:
+        pytest.skip(f"no ISA ladder for {arch}")
+    own, other = LADDERS[arch][0].name, next(lad[-1].name for a, lad in LADDERS.items() if a != arch)
+    cfg = write(tmp_path / "e.toml", f'isa = "{other}"\n')
     problems = {p.key: p.message for p in config.load(cfg).problems}
-    assert "x86-64-v9" in problems["isa"] and "x86-64-v2" in problems["isa"]
-    write(cfg, 'isa = "x86-64-v2"\n')
-    assert config.load(cfg).problems == [] and config.load(cfg).config.isa == "x86-64-v2"
+    assert f"{other!r} is not an ISA level of this {arch} device" in problems["isa"] and own in problems["isa"]
+    r = subprocess.run([sys.executable, "-m", "edgetune.main", "config", "check", "--config", str(cfg)], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "isa: " in r.stdout + r.stderr and "--isa" not in r.stdout + r.stderr
+    write(cfg, f'isa = "{own}"\n')
+    assert config.load(cfg).problems == [] and config.load(cfg).config.isa == own

@@ -105,20 +105,29 @@ def _notify_verb() -> bool:
 
 
 @pytest.mark.skipif(not _notify_verb(), reason="`edgetune daemon` / `edgetune notify firmware-changed` not there yet")
-def test_daemon_up_receives_each_hook(tmp_path) -> None:
+def test_daemon_up_mender_retunes_now_rauc_and_swupdate_leave_the_marker_for_the_next_boot(tmp_path) -> None:
+    """RAUC and SWUpdate run their hooks in the old system before the reboot: telling the running daemon retuned
+    the old image and left no marker, so the new image was never retuned. Mender's runs in the new system."""
     from tests.test_daemon_support import DaemonProc, daemon_config
 
     d = DaemonProc(daemon_config(tmp_path, None)).start()
     try:
         d.wait_status(lambda s: "session" in s, timeout=120)  # ready: the control socket takes notifies
         run_dir = Path(d.env["RUNTIME_DIRECTORY"])
+        marker = d.state_dir / "firmware-changed"
         for hook, source in HOOKS.items():
             r = run_hook(hook, d.state_dir, EDGETUNE_BIN=str(EDGETUNE), EDGETUNE_RUNTIME_DIR=str(run_dir))
             print(r.stderr.strip())
             assert r.returncode == 0 and "notify firmware-changed succeeded" in r.stderr
-            assert not (d.state_dir / "firmware-changed").exists()  # delivered, so no marker
-            wait_until(lambda: f"firmware changed ({source})" in d.log,
-                       lambda: f"the daemon to log the {source} notify:\n{d.log[-3000:]}", 30)
+            if source == "mender":
+                wait_until(lambda: f"firmware changed ({source})" in d.log,
+                           lambda: f"the daemon to log the {source} notify:\n{d.log[-3000:]}", 30)
+                wait_until(lambda: not marker.exists(), "the mender retune to finish and clear its marker", 60)
+            else:
+                doc = json.loads(marker.read_text())
+                assert doc["source"] == source and "command" not in doc  # for the next boot, no retune queued
         assert d.signal(signal.SIGTERM) == 0
+        assert "firmware changed (rauc)" not in d.log and "firmware changed (swupdate)" not in d.log
+        assert json.loads(marker.read_text())["source"] == "swupdate"  # still there for the next start
     finally:
         d.stop()

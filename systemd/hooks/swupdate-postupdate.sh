@@ -45,15 +45,21 @@ bounded() {
     fi
 }
 
-# The CLI reaches a running daemon over its control socket, or leaves the marker itself when it is down.
+# Mender's hook runs in the new system after the reboot: the CLI tells a running daemon to retune now, or
+# leaves the marker itself when it is down. RAUC's and SWUpdate's run in the old system before the reboot: a
+# running daemon would retune the old image, so the CLI only leaves the marker for the next boot (--next-boot).
 notify() {
     bin=$(edgetune_bin)
     if [ ! -x "$bin" ]; then
         log "no edgetune CLI at $bin"
         return 1
     fi
+    case $SOURCE in
+        mender) when= ;;
+        *) when=--next-boot ;;
+    esac
     STATE_DIRECTORY=$STATE_DIR RUNTIME_DIRECTORY=$RUNTIME_DIR \
-        bounded "$bin" notify firmware-changed --source "$SOURCE" >/dev/null 2>&1
+        bounded "$bin" notify firmware-changed --source "$SOURCE" $when >/dev/null 2>&1
     rc=$?
     [ "$rc" -eq 0 ] || log "edgetune notify failed (exit $rc)"
     return "$rc"
@@ -75,7 +81,7 @@ write_marker() {
 }
 
 if notify; then
-    log "edgetune notify firmware-changed succeeded (daemon told, or marker left by the CLI)"
+    log "edgetune notify firmware-changed succeeded (daemon told, or marker left by the CLI for its next start)"
 else
     write_marker
 fi
