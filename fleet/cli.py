@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from edgetune.errors import BadInput, EdgetuneError
 from edgetune.output import console, emit, err_console, fmt, json_flag, say, table
@@ -30,7 +30,13 @@ from fleet.mqtt import add_broker_args, broker_settings
 from fleet.db import is_postgres
 from fleet.store import FleetStore, default_path, open_fleet_store
 
+if TYPE_CHECKING:
+    from fleet.commands import CommandRun
+
 log = logging.getLogger("fleet.cli")
+
+# sends the command and waits, calling its argument on each response of the device
+Send = Callable[[Callable[[dict], None]], "CommandRun"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -231,7 +237,42 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---- retune ----------------------------------------------------------------------------------------------------
 
 def cmd_retune(args: argparse.Namespace) -> int:
-    from fleet.commands import MAX_TTL_S, describe_progress, new_command, progress_parts, send_command
+    from fleet.commands import new_command, send_command
+
+    cargs = _retune_args(args)
+    known = _known_device(args.db, args.device)
+    if known is False and not args.any_device:
+        raise BadInput(f"no device {args.device!r} in the fleet DB, so nothing was sent; check the id with `edgetune "
+                       "fleet devices`, or send anyway with --any-device")
+    if known is None and not args.json:
+        say(f"{args.device} is not checked against the devices the fleet knows (pass --db)",
+            f"no fleet DB at {default_path()}:", "yellow", err=True)
+    opts = broker_settings(args)
+    command = new_command("retune", cargs, ttl_s=args.ttl)
+    if not args.wait:
+        run = send_command(opts, args.device, command, wait=False, timeout_s=args.timeout)
+        emit({**run.to_dict(), "known": known}, args.json,
+             lambda d: console.print(f"sent retune {d['id']} to {d['device']} (expires "
+                                     f"{time.strftime('%H:%M:%S', time.localtime(d['expires_at']))})"))
+        return 0
+
+    def on_status(state: str, status: dict) -> None:
+        if state != "online" and not args.json:
+            say(f"the command reaches it only if it reconnects before "
+                f"{time.strftime('%H:%M:%S', time.localtime(command['expires_at']))}",
+                f"device {args.device} is {state}:", "yellow", err=True)
+
+    follow = _follow_with_bar if sys.stderr.isatty() and not args.json else _follow_plain
+    run = follow(args, lambda on_response: send_command(opts, args.device, command, wait=True,
+                                                         timeout_s=args.timeout, on_response=on_response,
+                                                         on_status=on_status), command["id"][:8])
+    emit({**run.to_dict(), "known": known}, args.json, lambda d: _render_retune(d, args.timeout))
+    return 0 if run.status == "succeeded" else 1
+
+
+def _retune_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The retune command's arguments, every flag checked before anything is sent."""
+    from fleet.commands import MAX_TTL_S
 
     check_id(args.device, "device id")
     if args.budget is not None and args.budget <= 0:
@@ -247,13 +288,6 @@ def cmd_retune(args: argparse.Namespace) -> int:
                 raise BadInput(f"--{flag}: empty name")
     if args.strategy is not None and not args.strategy.strip():
         raise BadInput("--strategy: empty name")
-    known = _known_device(args.db, args.device)
-    if known is False and not args.any_device:
-        raise BadInput(f"no device {args.device!r} in the fleet DB, so nothing was sent; check the id with `edgetune "
-                       "fleet devices`, or send anyway with --any-device")
-    if known is None and not args.json:
-        say(f"{args.device} is not checked against the devices the fleet knows (pass --db)",
-            f"no fleet DB at {default_path()}:", "yellow", err=True)
     cargs: dict[str, Any] = {}
     if args.kernel:
         cargs["kernels"] = args.kernel
@@ -265,71 +299,60 @@ def cmd_retune(args: argparse.Namespace) -> int:
         cargs["budget"] = args.budget
     if args.force:
         cargs["force"] = True
-    opts = broker_settings(args)
-    command = new_command("retune", cargs, ttl_s=args.ttl)
-    tty = sys.stderr.isatty() and not args.json
-    short = command["id"][:8]
+    return cargs
 
-    if not args.wait:
-        run = send_command(opts, args.device, command, wait=False, timeout_s=args.timeout)
-        emit({**run.to_dict(), "known": known}, args.json,
-             lambda d: console.print(f"sent retune {d['id']} to {d['device']} (expires "
-                                     f"{time.strftime('%H:%M:%S', time.localtime(d['expires_at']))})"))
-        return 0
 
-    def on_status(state: str, status: dict) -> None:
-        if state != "online" and not args.json:
-            say(f"the command reaches it only if it reconnects before "
-                f"{time.strftime('%H:%M:%S', time.localtime(command['expires_at']))}",
-                f"device {args.device} is {state}:", "yellow", err=True)
+def _follow_with_bar(args: argparse.Namespace, send: Send, short: str) -> CommandRun:
+    """Send and follow the device's responses on a progress bar (a terminal)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if tty:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from fleet.commands import describe_progress, progress_parts
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
-                      TimeElapsedColumn(), console=err_console, transient=False) as bar:
-            task = bar.add_task(f"{args.device} retune: sent", total=None, count="")
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                  TimeElapsedColumn(), console=err_console, transient=False) as bar:
+        task = bar.add_task(f"{args.device} retune: sent", total=None, count="")
 
-            def on_response(r: dict) -> None:
-                done, total, text = progress_parts(r.get("progress"))
-                desc = f"{args.device} retune: {r['status']}" + (f" {text}" if text else "")
-                if r["status"] in ("failed", "rejected") and r.get("reason"):
-                    desc += f" ({r['reason']})"
-                kw: dict[str, Any] = {"description": desc}
-                if done is not None and total:
-                    kw.update(total=total, completed=done, count=describe_progress(r.get("progress")).split(" ")[0])
-                if r["status"] == "succeeded" and bar.tasks[0].total:
-                    kw["completed"] = bar.tasks[0].total
-                bar.update(task, **kw)
-
-            run = send_command(opts, args.device, command, wait=True, timeout_s=args.timeout,
-                               on_response=on_response, on_status=on_status)
-    else:
         def on_response(r: dict) -> None:
-            if args.json:
-                return
-            p = describe_progress(r.get("progress"))
-            reason = f" reason: {r['reason']}" if r.get("reason") else ""
-            say(f"{args.device} retune {short} {r['status']}" + (f" {p}" if p else "") + reason, err=True)
+            done, total, text = progress_parts(r.get("progress"))
+            desc = f"{args.device} retune: {r['status']}" + (f" {text}" if text else "")
+            if r["status"] in ("failed", "rejected") and r.get("reason"):
+                desc += f" ({r['reason']})"
+            kw: dict[str, Any] = {"description": desc}
+            if done is not None and total:
+                kw.update(total=total, completed=done, count=describe_progress(r.get("progress")).split(" ")[0])
+            if r["status"] == "succeeded" and bar.tasks[0].total:
+                kw["completed"] = bar.tasks[0].total
+            bar.update(task, **kw)
 
-        run = send_command(opts, args.device, command, wait=True, timeout_s=args.timeout,
-                           on_response=on_response, on_status=on_status)
+        return send(on_response)
 
-    def render(d: dict) -> None:
-        if d["status"] == "succeeded":
-            say("", f"retune on {d['device']} succeeded", "green")
-            if d["result"] not in (None, {}, []):
-                console.print_json(json.dumps(d["result"], default=str))
-        elif d["status"] == "timeout":
-            last = d["responses"][-1]["status"] if d["responses"] else "no response"
-            say(f"(last: {last}; device state: {d['device_state'] or 'unknown'})",
-                f"no final response from {d['device']} within {args.timeout:g} s", "red", err=True)
-        else:
-            say(d["reason"] or "", f"retune on {d['device']} {d['status']}" + (":" if d["reason"] else ""), "red",
-                err=True)
 
-    emit({**run.to_dict(), "known": known}, args.json, render)
-    return 0 if run.status == "succeeded" else 1
+def _follow_plain(args: argparse.Namespace, send: Send, short: str) -> CommandRun:
+    """Send and follow the device's responses as lines on stderr (none with --json)."""
+    from fleet.commands import describe_progress
+
+    def on_response(r: dict) -> None:
+        if args.json:
+            return
+        p = describe_progress(r.get("progress"))
+        reason = f" reason: {r['reason']}" if r.get("reason") else ""
+        say(f"{args.device} retune {short} {r['status']}" + (f" {p}" if p else "") + reason, err=True)
+
+    return send(on_response)
+
+
+def _render_retune(d: dict, timeout_s: float) -> None:
+    if d["status"] == "succeeded":
+        say("", f"retune on {d['device']} succeeded", "green")
+        if d["result"] not in (None, {}, []):
+            console.print_json(json.dumps(d["result"], default=str))
+    elif d["status"] == "timeout":
+        last = d["responses"][-1]["status"] if d["responses"] else "no response"
+        say(f"(last: {last}; device state: {d['device_state'] or 'unknown'})",
+            f"no final response from {d['device']} within {timeout_s:g} s", "red", err=True)
+    else:
+        say(d["reason"] or "", f"retune on {d['device']} {d['status']}" + (":" if d["reason"] else ""), "red",
+            err=True)
 
 
 def _known_device(db: str | None, device: str) -> bool | None:

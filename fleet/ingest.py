@@ -30,6 +30,8 @@ Incoming = tuple[str, bytes, bool]  # a message as the listener hands it over: t
 OTHERS_PER_TX = 50  # non-telemetry messages per transaction: they hold their devices' rows until its commit
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 MAX_SPEEDUP = 1e6  # a million times faster (or slower) than the default is a device's clock or unit bug, not a result
+# device times outside 2000-01-01 .. 2100-01-01 UTC are a clock never set or a unit bug (ms, µs), not a time
+DEVICE_TIME_RANGE = (946684800.0, 4102444800.0)
 
 
 class Malformed(ProtocolError):
@@ -55,6 +57,18 @@ def _num(x: Any) -> float | None:
     except OverflowError:
         return None
     return f if math.isfinite(f) else None
+
+
+def _time(x: Any) -> float | None:
+    """A device's unix time, or None when it cannot be one (DEVICE_TIME_RANGE): stored as it came, a time like
+    -1e20 overflowed the platform's time_t wherever a page showed it, and a clock left at 1970 made a live device
+    look gone for decades."""
+    t = _num(x)
+    lo, hi = DEVICE_TIME_RANGE
+    if t is not None and not lo <= t <= hi:
+        log.debug("device time %r is outside %s..%s; taken as unknown", t, lo, hi)
+        return None
+    return t
 
 
 def _int(x: Any) -> int | None:
@@ -92,7 +106,8 @@ def _ident(x: Any) -> str | None:
 
 def _seen(ts: float | None, retained: bool, now: float) -> float | None:
     """When the device was last alive, as far as this message tells: its own ts (never in our future), else the
-    receive time of a live message. A retained message without ts proves nothing about liveness."""
+    receive time of a live message. A retained message without a plausible ts proves nothing about liveness."""
+    ts = _time(ts)
     if ts is not None:
         return min(ts, now)
     return None if retained else now
@@ -118,7 +133,7 @@ def _status(device: str, sub: str, payload: bytes, retained: bool, now: float) -
     state = obj.get("state")
     if state not in STATUS_STATES:
         raise Malformed(f"status: state {str(state)[:50]!r} is not one of {', '.join(STATUS_STATES)}")
-    ts = _num(obj.get("ts"))
+    ts = _time(obj.get("ts"))
     # `lost` is the broker speaking (the last will): it proves nothing about when the device was alive
     seen = (min(ts, now) if ts is not None else None) if state == "lost" else _seen(ts, retained, now)
 
@@ -189,7 +204,7 @@ def _active(device: str, sub: str, payload: bytes, retained: bool, now: float) -
             "workload": _text(e.get("workload"), 200) or workload or None,
             "config": e.get("config"), "ms": ms, "default_ms": default_ms, "speedup": speedup,
             "evals": _int(e.get("evals")), "tuning_s": _num(e.get("tuning_s")),
-            "strategy": _text(e.get("strategy"), 100), "tuned_at": _num(e.get("tuned_at")), "entry": e,
+            "strategy": _text(e.get("strategy"), 100), "tuned_at": _time(e.get("tuned_at")), "entry": e,
         })
     if skipped:
         log.warning("config/active of %s: skipped %d entries that are not objects", device, skipped)
@@ -233,9 +248,9 @@ def _record(device: str, sub: str, payload: bytes, retained: bool, now: float) -
         "session_id": sid, "key": _text(src.get("key"), 200), "kernel": kernel, "workload": workload,
         "hw_fingerprint": _text(src.get("hw_fingerprint"), 200), "fw_fingerprint": _text(src.get("fw_fingerprint"), 200),
         "strategy": _text(src.get("strategy"), 100), "state": _text(src.get("state"), 50),
-        "started_at": _num(src.get("started_at")), "n_measurements": len(measurements),
+        "started_at": _time(src.get("started_at")), "n_measurements": len(measurements),
     }
-    ts = _num(obj.get("ts")) or _num(src.get("finished_at")) or fields["started_at"]
+    ts = _time(obj.get("ts")) or _time(src.get("finished_at")) or fields["started_at"]
     uid = record_uid(obj)
     rid = _ident(obj.get("record_id"))
 
@@ -255,7 +270,7 @@ def _sample(device: str, payload: bytes, retained: bool, now: float) -> tuple[Sa
     seq = _int(obj.get("seq"))
     if seq is None:
         raise Malformed("telemetry: no integer seq")
-    t = {"seq": seq, "boot_id": _text(obj.get("boot_id"), 100) or "", "ts": _num(obj.get("ts")),
+    t = {"seq": seq, "boot_id": _text(obj.get("boot_id"), 100) or "", "ts": _time(obj.get("ts")),
          "state": _text(obj.get("state"), 50)}
     for k in ("cpu_percent", "load1", "temp_c", "freq_mhz", "mem_used", "rss"):
         t[k] = _num(obj.get(k))

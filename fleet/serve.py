@@ -93,11 +93,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         send_command(opts, device, command, wait=False, timeout_s=10.0)
 
     def health() -> dict:
-        """Healthy while the receiver is connected: without the broker no device report reaches the fleet DB."""
-        return {"ok": listener.connected.is_set(),
+        """Healthy while the receiver is connected and its fleet DB stores: without either, no device report
+        reaches the fleet DB. `db` names the DB's error when it is the cause: the receiver then drops its broker
+        connection to be sent the unstored messages again, so the broker alone would be blamed."""
+        stores = listener.alarm is None
+        return {"ok": listener.connected.is_set() and stores,
                 "listener": {"connected": listener.connected.is_set(), "subscribed": listener.subscribed.is_set(),
                              "messages": listener.counts["messages"], "broker": opts.label,
-                             "disconnected_since": listener.disconnected_since}}
+                             "disconnected_since": listener.disconnected_since},
+                "db": {"ok": stores, "path": str(listener.store.path), "error": listener.alarm}}
 
     app = create_app(lambda: open_fleet_store(db, threads=True), auth,
                      Limits(cfg.stale_minutes * 60, cfg.retention_days * 86400), send, health)

@@ -595,11 +595,14 @@ class FleetStore(Store):
         return {"devices": sum(statuses.values()), "statuses": statuses, "breakdowns": breakdowns}
 
     def telemetry_window(self, device: str, since: float, limit: int = 2000) -> list[dict]:
-        """The device's newest `limit` telemetry samples received since `since`, oldest first (for plots)."""
+        """The device's newest `limit` telemetry samples received since `since`, in the order of their time (the
+        device's ts, else when received), as plots need their x: a device's outbox sends its backlog after the
+        live samples, so the order of arrival is not the order of time."""
+        cols = "boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss, state, received_at"
         rows = self.query(
-            "SELECT boot_id, seq, ts, cpu_percent, load1, temp_c, freq_mhz, mem_used, rss, state, received_at"
-            " FROM telemetry WHERE device_id=? AND received_at>=? ORDER BY id DESC LIMIT ?", (device, since, limit))
-        return [dict(r) for r in rows][::-1]
+            f"SELECT {cols} FROM (SELECT {cols}, id FROM telemetry WHERE device_id=? AND received_at>=?"
+            " ORDER BY id DESC LIMIT ?) newest ORDER BY coalesce(ts, received_at), id", (device, since, limit))
+        return [dict(r) for r in rows]
 
     def active_config_rows(self, device: str) -> list[dict]:
         """The device's active configs as table rows, with ORT ms and tuned/ORT from the entry when it has them."""

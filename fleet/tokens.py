@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
 import sqlite3
@@ -22,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgetune.errors import BadInput
-from edgetune.sqlite import Schema, Store
+from edgetune.sqlite import DBError, Schema, Store
+from fleet.downlog import DownLog
 from fleet.text import whole_number
+
+log = logging.getLogger("fleet.tokens")
 
 ROLES = ("viewer", "operator")  # each role may do everything the roles before it may
 APP_ID = 0x45544131  # "ETA1"
@@ -40,7 +44,13 @@ CREATE TABLE tokens (
     revoked_at REAL
 );
 CREATE TABLE secrets (name TEXT PRIMARY KEY, value BLOB NOT NULL);
-""",)
+""", """
+CREATE TABLE ended_sessions (id TEXT PRIMARY KEY, expires_at REAL NOT NULL);
+""")
+
+
+# one log of failed last_used_at writes for every thread's store: the first failure, a reminder a minute, the end
+_touch_down = DownLog("writing the auth DB", "recording when tokens were last used", log)
 
 
 @dataclass(frozen=True)
@@ -143,11 +153,29 @@ class TokenStore(Store):
         return self.touch(self._token(r)) if r else None
 
     def touch(self, t: Token) -> Token:
+        """Note when a token was last used, best effort: this write sits in every request's read path, and an auth
+        DB that cannot be written (a full disk, a read-only file) must not fail requests it can still answer."""
         now = time.time()
         if t.last_used_at is None or now - t.last_used_at > TOUCH_EVERY_S:
-            with self.tx() as c:
-                c.execute("UPDATE tokens SET last_used_at=? WHERE id=?", (now, t.id))
+            try:
+                with self.tx() as c:
+                    c.execute("UPDATE tokens SET last_used_at=? WHERE id=?", (now, t.id))
+            except DBError as e:
+                _touch_down.failed(e)
+            else:
+                _touch_down.ok()
         return t
+
+    def end_session(self, session_id: str, expires_at: float) -> None:
+        """Record a browser session as ended (logout) until its cookie would have expired anyway; entries past
+        that are pruned here, so the table holds only sessions that could still be presented."""
+        with self.tx() as c:
+            c.execute("DELETE FROM ended_sessions WHERE expires_at < ?", (time.time(),))
+            c.execute("INSERT INTO ended_sessions (id, expires_at) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                      (session_id, expires_at))
+
+    def session_ended(self, session_id: str) -> bool:
+        return self.query_one("SELECT 1 FROM ended_sessions WHERE id=?", (session_id,)) is not None
 
     def session_key(self) -> bytes:
         """The HMAC key of browser session cookies: made once, shared by every server on this auth DB."""

@@ -323,6 +323,36 @@ def test_a_failed_db_write_is_not_acked_and_arrives_again(mosquitto, db, monkeyp
         assert len(s.records(DEV)) == 1
 
 
+def test_a_telemetry_backlog_sent_after_live_samples_comes_back_in_time_order(mosquitto, listener, db):
+    """A device's outbox publishes what it kept while offline after the live samples: plots need their x sorted."""
+    now = time.time()
+    sample = lambda seq, ts: {"seq": seq, "boot_id": "b1", "ts": ts, "cpu_percent": float(seq)}  # noqa: E731
+    dev = Device(mosquitto)
+    for seq in (10, 11, 12):  # live
+        dev.pub("telemetry", sample(seq, now + seq))
+    assert listener.wait_for(lambda c: c["telemetry"] >= 3, T), dict(listener.counts)
+    for seq in (0, 1, 2):  # the backlog, older, stored after them
+        dev.pub("telemetry", sample(seq, now - 100 + seq))
+    dev.close()
+    assert listener.wait_for(lambda c: c["telemetry"] >= 6, T), dict(listener.counts)
+    with open_fleet_store(db) as s:
+        window = s.telemetry_window(DEV, since=0)
+        assert [t["seq"] for t in window] == [0, 1, 2, 10, 11, 12]
+        assert [t["seq"] for t in s.telemetry_window(DEV, since=0, limit=4)] == [0, 1, 2, 12]  # the newest received
+    assert [t["ts"] for t in window] == sorted(t["ts"] for t in window)
+
+
+def test_device_times_outside_any_plausible_clock_are_stored_as_unknown(db):
+    with open_fleet_store(db) as s:
+        for i, ts in enumerate((-1e20, 1e20, 5.0, 1.7e12)):  # overflow, unit bugs, a clock never set
+            device = f"odd-{i}"
+            ingest(s, f"edgetune/v1/{device}/status", json.dumps({"state": "lost", "session": 1, "ts": ts}).encode(),
+                   retained=True)
+            assert s.device(device)["last_seen"] is None and s.status_history(device)[0]["ts"] is None
+            ingest(s, f"edgetune/v1/{device}/telemetry", json.dumps({"seq": 1, "boot_id": "b", "ts": ts}).encode())
+            assert s.telemetry(device)[0]["ts"] is None
+
+
 def test_listener_with_broker_auth(tmp_path):
     from tests.broker import Mosquitto
 
@@ -446,7 +476,8 @@ def test_retune_cli_refuses_a_device_the_fleet_db_never_heard_from(mosquitto, tm
     ghost = FakeResponder(mosquitto, [], device="ghost")
     common = ["--broker", f"{mosquitto.host}:{mosquitto.port}", "--db", str(db), "--json"]
     r = edgetune("fleet", "retune", "ghost", *common)
-    assert r.returncode == 2 and "'ghost'" in r.stderr and "--any-device" in r.stderr and r.stdout == ""
+    assert r.returncode == 2 and "'ghost'" in r.stderr and "--any-device" in r.stderr
+    assert json.loads(r.stdout)["exit_code"] == 2 and "'ghost'" in json.loads(r.stdout)["error"]  # nothing was sent
     r = edgetune("fleet", "retune", DEV, *common)
     assert r.returncode == 0 and json.loads(r.stdout)["known"] is True
     r = edgetune("fleet", "retune", "ghost", "--any-device", *common)
@@ -528,13 +559,15 @@ def test_record_updates_keep_the_most_complete_copy(db):
 def test_status_history_dedupes_retained_redelivery_and_final_responses_stick(db):
     with open_fleet_store(db) as s:
         st_topic = f"edgetune/v1/{DEV}/status"
-        online = json.dumps({"state": "online", "session": 1, "ts": 100.0}).encode()
-        ingest(s, st_topic, online, retained=False, now=100.5)
-        ingest(s, st_topic, online, retained=True, now=200.0)  # the same retained message after a reconnect
-        ingest(s, st_topic, json.dumps({"state": "lost", "session": 1, "ts": 99.0}).encode(), retained=True, now=300)
+        t0 = 1700000000.0
+        online = json.dumps({"state": "online", "session": 1, "ts": t0}).encode()
+        ingest(s, st_topic, online, retained=False, now=t0 + 0.5)
+        ingest(s, st_topic, online, retained=True, now=t0 + 100)  # the same retained message after a reconnect
+        ingest(s, st_topic, json.dumps({"state": "lost", "session": 1, "ts": t0 - 1}).encode(), retained=True,
+               now=t0 + 200)
         assert [h["state"] for h in s.status_history(DEV)] == ["online", "lost"]
         d = s.device(DEV)
-        assert d["state"] == "lost" and d["last_seen"] == 100.0  # a will is not a sign of life
+        assert d["state"] == "lost" and d["last_seen"] == t0  # a will is not a sign of life
         ingest(s, st_topic, b"", retained=True)  # a cleared retained status changes nothing
         assert s.device(DEV)["state"] == "lost"
 

@@ -76,11 +76,11 @@ def rig(tmp_path_factory):
     broker.stop()
 
 
-def page_for(rig, role: str):
-    """A fresh browser context logged in with a `role` token through the login form. Any dialog (an alert
-    from injected script) or page error fails the test."""
+def page_for(rig, role: str, **context: str):
+    """A fresh browser context (`context`: Playwright's options, e.g. timezone_id) logged in with a `role` token
+    through the login form. Any dialog (an alert from injected script) or page error fails the test."""
     server, tokens, browser = rig
-    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900}, **context)
     page = ctx.new_page()
     problems: list[str] = []
     page.on("dialog", lambda d: problems.append(f"dialog: {d.message}"))
@@ -181,4 +181,27 @@ def test_html_in_device_names_and_fields_is_shown_escaped(rig):
         assert page.locator("img[src=x]").count() == 0
         assert page.locator("script").count() == 2  # only our two, uPlot and app.js
         page.goto(server.base + "/devices")
+    assert not problems
+
+
+def test_times_the_page_polls_read_as_the_server_rendered_them_in_utc(rig):
+    """A browser in another zone than the server: the command log, rendered by the server and then re-rendered
+    by the page's script as it polls, shows one time, in UTC, saying so."""
+    from fleet.web.filters import when
+
+    server, tokens, _ = rig
+    command = f"ping-{time.time_ns()}"
+    dev = Device(server.broker, "dev-off")
+    dev.pub("cmd/req", {"id": command, "op": "ping", "args": {}, "expires_at": time.time() + 600})
+    dev.close()
+    log = server.wait_json("/api/v1/devices/dev-off/commands", tokens["viewer"],
+                           lambda cs: any(c["id"] == command for c in cs))
+    expected = when(next(c for c in log if c["id"] == command)["requested_at"])
+    assert expected.endswith(" UTC")
+    page, problems = page_for(rig, "viewer", timezone_id="Asia/Kolkata")  # UTC+5:30
+    page.goto(f"{server.base}/devices/dev-off")
+    cell = f"#command-log tr[data-command='{command}'] td:nth-child(7)"
+    assert page.text_content(cell) == expected
+    page.evaluate("sel => { document.querySelector(sel).textContent = ''; }", cell)
+    page.wait_for_function("([sel, want]) => document.querySelector(sel)?.textContent === want", arg=[cell, expected])
     assert not problems

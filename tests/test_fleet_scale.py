@@ -173,11 +173,14 @@ def test_auth_db_is_a_store_on_the_sqlite_base(tmp_path):
 
     with TokenStore(tmp_path / "auth" / "a.db") as s:
         token, secret = s.create("operator", "ops")
-        assert s.verify(secret) == token and s.schema_version == 1
+        assert s.verify(secret) == token and s.schema_version == 2
         with pytest.raises(BadInput, match="'ops': a token of that name exists"):
             s.create("viewer", "ops")
         assert [t.name for t in s.list()] == ["ops"]
         assert s.session_key() == s.session_key()
+        s.end_session("gone", time.time() - 1)  # expired: the next logout prunes it
+        s.end_session("live", time.time() + 3600)
+        assert not s.session_ended("gone") and s.session_ended("live") and not s.session_ended("other")
     foreign = tmp_path / "foreign.db"
     sqlite3.connect(foreign).execute("CREATE TABLE x (y)").connection.commit()
     with pytest.raises(DBForeign, match="not an edgetune fleet auth DB.*auth_database"):

@@ -4,6 +4,7 @@ and a real daemon are in test_fleet_browser.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -12,6 +13,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -43,7 +45,7 @@ def rig(tmp_path_factory):
         dev.pub("config/active", active, retain=True)
         dev.pub("tuning/record", record(1))
         dev.close()
-    server.wait_json(f"/api/v1/devices", tokens["viewer"],
+    server.wait_json("/api/v1/devices", tokens["viewer"],
                      lambda d: len(d["devices"]) == 3 and all(x["tuned_workloads"] == 2 and x["records"] == 1
                                                               for x in d["devices"]))
     bus = Bus(broker, ("edgetune/v1/+/cmd/req",))
@@ -162,6 +164,7 @@ def test_operator_retune_publishes_cmd_req_and_the_log_shows_it(rig):
     (b'{"kernels": "gemm"}', "application/json", "kernels"),
     (b'{"colour": 1}', "application/json", "colour"),
     (b'{"ttl_s": -1}', "application/json", "ttl_s"),
+    (b'{"ttl_s": 604800}', "application/json", "ttl_s: must be 1-86400 seconds"),  # longer than a device session
     (b'{"budget": 1}', "text/plain", "Content-Type"),
 ])
 def test_bad_bodies_get_400_naming_the_problem_and_send_nothing(rig, body, ctype, word):
@@ -259,6 +262,8 @@ def test_openapi_is_served(rig):
     doc = server.get("/api/v1/openapi.json").doc
     assert doc["openapi"].startswith("3.") and f"{ONE.replace('dev-1', '{device}')}/retune" in doc["paths"]
     assert doc["paths"]["/api/v1/devices/{device}/retune"]["post"]["responses"]["403"]
+    body = doc["paths"]["/api/v1/devices/{device}/retune"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["properties"]["ttl_s"]["maximum"] == 86400  # fleet.commands.MAX_TTL_S
 
 
 def test_token_cli_create_list_revoke(rig):
@@ -614,3 +619,219 @@ def test_serve_json_announces_where_it_serves_on_stdout(tmp_path, mosquitto):
 def test_serve_stops_on_a_signal_right_after_its_announcement(tmp_path, mosquitto):
     proc, _ = _serve_json(env_for(tmp_path, tmp_path / "cache"), mosquitto, free_port())
     _stop(proc)  # at once: before uvicorn may have taken over the signal handling
+
+
+
+# ---- audit fixes: device times, DB outages, logout, uploads ----------------------------------------------------
+
+def test_device_times_out_of_range_are_unknown_and_every_page_renders(rig):
+    server, tokens, _ = rig
+    v = tokens["viewer"]
+    name, huge = f"neg-lost-{uuid.uuid4().hex[:6]}", f"ts-huge-{uuid.uuid4().hex[:6]}"
+    active = json.loads(json.dumps(ACTIVE))
+    active["kernels"]["gemm/pw1"]["tuned_at"] = 1e20
+    _publish_from(server.broker, [
+        (f"edgetune/v1/{name}/status", {"state": "lost", "session": 1, "version": "1", "ts": -1e20}),
+        (f"edgetune/v1/{name}/config/active", active),
+        (f"edgetune/v1/{name}/tuning/record", {**record(1), "record_id": "neg", "started_at": -1e20}),
+        (f"edgetune/v1/{huge}/status", {"state": "online", "session": 1, "version": "1", "ts": 1e20})])
+    d = server.wait_json(f"/api/v1/devices/{name}", v, lambda d: d["tuned_workloads"] == 2 and d["records"] == 1)
+    assert time.time() - 60 < d["last_seen"] <= time.time()  # when the live config/active came, not -1e20
+    assert d["status_history"][0]["ts"] is None
+    assert [a["tuned_at"] for a in d["active"] if a["slot"] == "gemm/pw1"] == [None]
+    assert server.get(f"/api/v1/devices/{name}/records", v).doc[0]["started_at"] is None
+    h = server.wait_json(f"/api/v1/devices/{huge}", v, lambda d: True)
+    assert h["status_history"][0]["ts"] is None and h["last_seen"] <= time.time()  # live: seen when received
+    for page in ("/devices", "/devices?status=lost", f"/devices/{name}", f"/devices/{huge}", "/"):
+        r = server.get(page, v)
+        assert r.status == 200, (page, r.text)
+
+
+@pytest.mark.parametrize("ts", [-1e20, 1e20, 2.0**63, float("nan"), None, "x"])
+def test_a_time_that_cannot_be_shown_renders_as_a_dash(ts):
+    from fleet.web.filters import when
+
+    assert when(ts) == "-"  # times stored before ingestion checked them
+
+
+def test_times_are_rendered_in_utc_and_say_so():
+    from fleet.web.filters import when
+
+    assert when(1700000000.5) == "2023-11-14 22:13:20 UTC"
+
+
+def test_logout_ends_the_session_for_every_copy_of_its_cookie(rig):
+    server, tokens, bus = rig
+    since = len(bus.msgs)
+    session, csrf = _login(server, tokens["operator"])
+    other, _ = _login(server, tokens["operator"])
+    r = server.request("POST", "/logout", form({"csrf": csrf}), headers={"Content-Type": FORM_TYPE, "Cookie": session})
+    assert r.status == 303 and r.headers["Location"] == "/login"
+    attrs = [a.strip().lower() for a in r.headers["Set-Cookie"].split(";")]
+    assert "httponly" in attrs and "samesite=strict" in attrs and "path=/" in attrs
+    assert server.request("GET", "/devices", headers={"Cookie": session}).status == 303
+    assert server.request("GET", "/api/v1/me", headers={"Cookie": session}).status == 401
+    r = server.request("POST", "/devices/dev-1/retune", form({"budget": "1", "csrf": csrf}),
+                       headers={"Content-Type": FORM_TYPE, "Cookie": session})
+    assert r.status == 401, r.text
+    r = server.request("POST", f"{ONE}/retune", "{}", headers={"Content-Type": "application/json", "Cookie": session,
+                                                               "X-CSRF-Token": csrf})
+    assert r.status == 401, r.text
+    barrier(server, bus, tokens["operator"], since)  # nothing was sent
+    assert server.request("GET", "/api/v1/me", headers={"Cookie": other}).doc["via"] == "session"  # only that one
+
+
+def _multipart(fields: dict[str, str | bytes]) -> tuple[bytes, str]:
+    """A multipart/form-data body; bytes values go as uploaded files."""
+    boundary = uuid.uuid4().hex
+    out = b""
+    for name, value in fields.items():
+        disposition = f'form-data; name="{name}"' + ('; filename="hostname"' if isinstance(value, bytes) else "")
+        data = value if isinstance(value, bytes) else value.encode()
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+@pytest.mark.parametrize("path,fields,field", [
+    ("/devices/dev-1/retune", {"strategy": b"anneal\n", "budget": "1"}, "strategy"),
+    ("/devices/retune", {"device": b"dev-1\n"}, "device"),
+    ("/rollouts/nope/pause", {"reason": b"because\n"}, "reason"),
+])
+def test_a_file_uploaded_in_a_form_is_a_400_naming_the_field(rig, path, fields, field):
+    server, tokens, bus = rig
+    since = len(bus.msgs)
+    body, ctype = _multipart(fields)
+    r = server.request("POST", path, body, token=tokens["operator"], headers={"Content-Type": ctype})
+    assert r.status == 400 and f"{field}: a file was uploaded" in r.text and "UploadFile" not in r.text, r.text
+    barrier(server, bus, tokens["operator"], since)
+
+
+def test_a_token_uploaded_as_a_file_on_the_login_form_is_a_400(rig):
+    server, tokens, _ = rig
+    r = server.get("/login")
+    cookie, csrf = r.headers["Set-Cookie"].split(";")[0], r.text.split('name="csrf-token" content="')[1].split('"')[0]
+    body, ctype = _multipart({"csrf": csrf, "token": tokens["operator"].encode()})
+    r = server.request("POST", "/login", body, headers={"Content-Type": ctype, "Cookie": cookie})
+    assert r.status == 400 and "token: a file was uploaded" in r.text, r.text
+
+
+def test_an_unexpected_error_is_a_500_that_leaks_nothing_and_keeps_the_api_json(tmp_path):
+    """The real app under uvicorn, with a store that fails as no handler expects."""
+    import threading
+
+    import uvicorn
+
+    from fleet.tokens import TokenStore
+    from fleet.web.auth import Auth
+    from fleet.web.server import create_app
+    from fleet.web.views import Limits
+
+    def broken_store():
+        raise RuntimeError("secret-internal-detail")
+
+    auth = Auth(tmp_path / "auth.db", session_s=3600, secure_cookies=False, anonymous_read=False)
+    with TokenStore(tmp_path / "auth.db") as s:
+        _, token = s.create("viewer")
+    app = create_app(broken_store, auth, Limits(600, 86400), lambda device, command: None)
+    web = FleetServer(None, {})
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=web.port, log_config=None, access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "uvicorn to start")
+        r = web.get("/api/v1/devices", token)
+        assert r.status == 500 and r.headers["Content-Type"] == "application/json"
+        assert "internal error" in r.doc["error"] and "secret" not in r.text
+        r = web.get("/devices", token)
+        assert r.status == 500 and "internal error" in r.text.lower()
+        assert "secret" not in r.text and "Traceback" not in r.text
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def immutable(*paths: Path) -> Iterator[None]:
+    """The files made unwritable even for root (chattr +i), as a read-only or failing disk makes them."""
+    r = subprocess.run(["chattr", "+i", *map(str, paths)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"chattr +i does not work here: {r.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, paths)], check=True)
+
+
+def _db_files(path: Path) -> list[Path]:
+    return [p for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists()]
+
+
+def test_an_auth_db_that_cannot_be_written_still_lets_tokens_in(tmp_path, mosquitto):
+    server = FleetServer(mosquitto, env_for(tmp_path, tmp_path / "cache")).start()
+    try:
+        token = server.token("viewer")  # never used: the first request writes its last_used_at
+        with immutable(*_db_files(Path(server.env["STATE_DIRECTORY"]) / "fleet-auth.db")):
+            for path in ("/api/v1/me", "/api/v1/overview", "/"):
+                r = server.get(path, token)
+                assert r.status == 200, (path, r.text)
+        assert server.log.count("recording when tokens were last used stopped") == 1, server.log
+    finally:
+        server.stop()
+
+
+def test_an_unwritable_sqlite_fleet_db_is_named_by_healthz_and_on_every_page(tmp_path, mosquitto):
+    server = FleetServer(mosquitto, env_for(tmp_path, tmp_path / "cache")).start()
+    try:
+        token = server.token("viewer")
+        db = Path(server.env["STATE_DIRECTORY"]) / "fleet.db"
+        with immutable(*_db_files(db)):
+            _publish_from(mosquitto, [_online("dev-ro")])  # the receiver tries to store it
+            h = wait_until(lambda: (r := server.get("/healthz")).status == 503 and r.doc["db"]["error"] and r,
+                           lambda: f"/healthz to name the DB (it says {server.get('/healthz').text})")
+            assert h.doc["ok"] is False and h.doc["db"]["path"] == str(db) and str(db) in h.doc["db"]["error"]
+            for page in ("/", "/devices"):
+                html = server.get(page, token).text
+                assert f"The fleet DB {db} cannot store device reports" in html, page
+                assert "Not connected to the MQTT broker" not in html, page
+        wait_until(lambda: server.get("/healthz").status == 200,  # the receiver stores it once the DB works
+                   lambda: f"/healthz to answer 200 (it says {server.get('/healthz').text})", 60)
+        assert "db-down" not in server.get("/", token).text
+    finally:
+        server.stop()
+
+
+def test_a_postgresql_fleet_db_that_goes_away_is_a_503_naming_it_and_healthz_says_so(tmp_path, mosquitto):
+    from tests.pg import PgCluster, missing_reason
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    cluster = PgCluster().init()
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text(f'[fleet]\ndatabase = "{cluster.create_db()}"\n')
+    server = FleetServer(mosquitto, env_for(tmp_path, tmp_path / "cache"), config=cfg).start()
+    try:
+        view, op = server.token("viewer"), server.token("operator")
+        session, csrf = _login(server, op)
+        cluster.stop()
+        _publish_from(mosquitto, [_online("dev-pg")])  # the receiver tries to store it
+        h = wait_until(lambda: (r := server.get("/healthz")).status == 503 and r.doc["db"]["error"] and r,
+                       lambda: f"/healthz to name the DB (it says {server.get('/healthz').text})")
+        assert "cannot be reached" in h.doc["db"]["error"]
+        for page in ("/", "/devices", "/rollouts"):
+            r = server.get(page, view)
+            assert r.status == 503 and r.headers["Content-Type"].startswith("text/html"), (page, r.text)
+            assert "cannot be reached" in r.text and "retries by itself" in r.text and "Traceback" not in r.text
+            assert "The fleet DB" in r.text and "Not connected to the MQTT broker" not in r.text
+        for r in (server.get("/api/v1/devices", view), server.post_json("/api/v1/rollouts/r1/pause", {}, op)):
+            assert r.status == 503 and "cannot be reached" in r.doc["error"] and r.headers["Retry-After"], r.text
+        r = server.request("POST", "/rollouts/r1/pause", form({"csrf": csrf}),
+                           headers={"Content-Type": FORM_TYPE, "Cookie": session})
+        assert r.status == 503 and "cannot be reached" in r.text and "set-cookie" not in r.headers, r.text
+        cluster.start()
+        wait_until(lambda: server.get("/healthz").status == 200,  # the receiver stores it once the DB is back
+                   lambda: f"/healthz to answer 200 (it says {server.get('/healthz').text})", 60)
+        assert server.get("/devices", view).status == 200
+        assert server.request("GET", "/devices", headers={"Cookie": session}).status == 200  # still logged in
+    finally:
+        server.stop()
+        cluster.destroy()

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from starlette.datastructures import FormData
+
 from edgetune.protocol import check_id
-from fleet.commands import new_command
+from fleet.commands import MAX_TTL_S, new_command
 from fleet.web.views import BadQuery, count_param
 
 MAX_BUDGET = 100_000
@@ -67,13 +69,24 @@ def retune_request(body: Any, device: str | None = None) -> Retune:
     if force:
         args["force"] = True
     ttl = body.get("ttl_s", 600)
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 1 <= ttl <= 7 * 86400:
-        raise BadQuery(f"ttl_s: must be 1-604800 seconds, not {ttl!r:.80}")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 1 <= ttl <= MAX_TTL_S:
+        raise BadQuery(f"ttl_s: must be 1-{MAX_TTL_S:.0f} seconds (a device's broker session keeps queued commands "
+                       f"that long), not {ttl!r:.80}")
     return Retune(list(dict.fromkeys(devices)), args, float(ttl))
 
 
-def form_body(form: Any) -> dict:
+def text_form(form: FormData) -> FormData:
+    """The form, once every field is known to be text: the forms here have no file field, and a file posted
+    as one (multipart) would reach the checks as an object, where it crashed them or showed up as its repr."""
+    for key, value in form.multi_items():
+        if not isinstance(value, str):
+            raise BadQuery(f"{key}: a file was uploaded; this form takes text only, send {key} as a plain field")
+    return form
+
+
+def form_body(form: FormData) -> dict:
     """The retune form's fields as the JSON body they stand for (blank fields left out)."""
+    text_form(form)
     body: dict[str, Any] = {}
     for key in ("kernels", "workloads"):
         names = [n.strip() for n in (form.get(key) or "").split(",") if n.strip()]

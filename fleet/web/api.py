@@ -17,6 +17,7 @@ from edgetune import __version__
 from edgetune.errors import BadInput, EdgetuneError
 from fleet.web import views
 from fleet import rollout_store as rs
+from fleet.commands import MAX_TTL_S
 from fleet.web.actions import retry_devices, retune_request, rollout_reason, send_retunes
 from fleet.web.app import Handler, api_error, fleet_of, guarded, with_arg
 from fleet.web.auth import COOKIE, CSRF_HEADER, Principal
@@ -195,7 +196,7 @@ RETUNE_FIELDS = {
     "strategy": {"type": "string", "description": "search strategy on the device, e.g. anneal, random, llm"},
     "budget": {"type": "integer", "minimum": 1, "maximum": 100000, "description": "evaluations per workload"},
     "force": {"type": "boolean", "description": "retune even when a result for this hw/fw/model exists"},
-    "ttl_s": {"type": "number", "minimum": 1, "maximum": 604800,
+    "ttl_s": {"type": "number", "minimum": 1, "maximum": MAX_TTL_S,
               "description": "the device rejects the command if it arrives later (default 600)"},
 }
 RETUNE_RESPONSES = {"202": "sent: the command ids to follow under .../commands/{command}",

@@ -3,8 +3,10 @@
 - `Authorization: Bearer et_…` is checked against the token store on every request; no CSRF check, since a
   browser never attaches that header by itself.
 - A browser logs in by pasting a token once; it gets a session cookie (HttpOnly, SameSite=Strict, Secure when
-  configured) that names the token id, carries a CSRF token and an expiry, and is signed with HMAC-SHA256 under
-  the auth DB's session key. Every request re-reads the token, so revoking it ends its sessions.
+  configured) that names the token id, carries a session id, a CSRF token and an expiry, and is signed with
+  HMAC-SHA256 under the auth DB's session key. Every request re-reads the token, so revoking it ends its sessions,
+  and checks the session id against the sessions ended by logging out (kept in the auth DB until they expire), so
+  a copy of the cookie saved before the logout no longer works.
 - CSRF, synchronizer-token pattern: the session's CSRF token is rendered into every form (and into a meta tag for
   the page's own fetch calls) and must come back as the `csrf` field or the `X-CSRF-Token` header on every POST
   that a cookie authenticates. A visitor who is not logged in gets a session without a token, so the login form
@@ -35,6 +37,7 @@ CSRF_HEADER = "x-csrf-token"
 
 @dataclass(frozen=True)
 class Session:
+    id: str  # what logging out records as ended
     token_id: int | None  # None: a visitor who has not logged in
     csrf: str
     expires_at: float
@@ -82,7 +85,7 @@ class Auth:
         return _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest())
 
     def encode(self, s: Session) -> str:
-        payload = _b64(json.dumps({"t": s.token_id, "c": s.csrf, "e": round(s.expires_at)}).encode())
+        payload = _b64(json.dumps({"s": s.id, "t": s.token_id, "c": s.csrf, "e": round(s.expires_at)}).encode())
         return f"{payload}.{self._sign(payload)}"
 
     def decode(self, cookie: str | None) -> Session | None:
@@ -94,13 +97,22 @@ class Auth:
             return None
         try:
             d = json.loads(_unb64(payload))
-            s = Session(d["t"], d["c"], float(d["e"]))
+            s = Session(str(d["s"]), d["t"], d["c"], float(d["e"]))
         except (ValueError, KeyError, TypeError):
             return None
         return s if s.expires_at > time.time() else None
 
     def new_session(self, token_id: int | None) -> Session:
-        return Session(token_id, secrets.token_urlsafe(24), time.time() + self.session_s)
+        return Session(secrets.token_urlsafe(16), token_id, secrets.token_urlsafe(24), time.time() + self.session_s)
+
+    def end(self, s: Session) -> None:
+        """Log a session out for good: its cookie, wherever a copy of it is, identifies nobody any more."""
+        self.tokens().end_session(s.id, s.expires_at)
+
+    def _session(self, request: Request) -> Session | None:
+        """The request's session: its cookie decoded, unless that session was ended."""
+        s = self.decode(request.cookies.get(COOKIE))
+        return None if s is None or self.tokens().session_ended(s.id) else s
 
     def set_cookie(self, response: Response, s: Session) -> None:
         response.set_cookie(COOKIE, self.encode(s), max_age=int(self.session_s), path="/", httponly=True,
@@ -116,7 +128,7 @@ class Auth:
             if token is None:
                 return Principal(None, "", "bearer")  # a wrong token is never upgraded by a cookie
             return Principal(token.role, token.name, "bearer")
-        session = self.decode(request.cookies.get(COOKIE))
+        session = self._session(request)
         if session is not None and session.token_id is not None:
             token = self.tokens().active(session.token_id)
             if token is not None:

@@ -33,7 +33,15 @@ def ago(ts: Any) -> str:
 
 
 def when(ts: Any) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if _known(ts) else "-"
+    """A unix time in UTC, saying so: the page's script renders the times it polls the same way (app.js `when`),
+    so one page never shows one event in two zones. "-" for what is unknown or out of the platform's range (a
+    device's clock can send anything)."""
+    if not _known(ts):
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "-"
 
 
 def mib(x: Any) -> str:

@@ -14,7 +14,7 @@ from edgetune.errors import BadInput, EdgetuneError
 from fleet import rollout_store as rs
 from fleet.rollout import BUCKETS
 from fleet.web import views
-from fleet.web.actions import form_body, retune_request, rollout_reason, send_retunes
+from fleet.web.actions import form_body, retune_request, rollout_reason, send_retunes, text_form
 from fleet.web.app import fleet_of, guarded, page_error, render, with_arg
 from fleet.web.auth import Principal
 
@@ -53,13 +53,13 @@ async def _retune(request: Request, p: Principal, device: str | None) -> Respons
     fleet = fleet_of(request)
     try:
         r = retune_request(form_body(await request.form()), device)
-        known = await fleet.read(lambda s: all(s.device(x) is not None for x in r.devices))
-        if not known:
-            raise BadInput("a selected device is not in the fleet DB; nothing was sent")
-        sent = await run_in_threadpool(send_retunes, fleet.send, r)
     except BadInput as e:
         return page_error(request, p, 400, str(e))
-    except EdgetuneError as e:
+    if not await fleet.read(lambda s: all(s.device(x) is not None for x in r.devices)):
+        return page_error(request, p, 400, "a selected device is not in the fleet DB; nothing was sent")
+    try:
+        sent = await run_in_threadpool(send_retunes, fleet.send, r)
+    except EdgetuneError as e:  # the broker's; a fleet DB failure above is guarded's 503
         return page_error(request, p, 502, f"Could not publish the command: {e}")
     if device is not None:
         return RedirectResponse(f"/devices/{urllib.parse.quote(device, safe='')}?sent={sent[0]['id']}", 303)
@@ -89,8 +89,8 @@ async def rollout(request: Request, p: Principal) -> Response:
 
 async def _rollout_action(request: Request, p: Principal, action: str) -> Response:
     rid = request.path_params["rollout"]
-    form = await request.form()
     try:
+        form = text_form(await request.form())
         reason = rollout_reason({"reason": form.get("reason")} if form.get("reason") else {})
     except BadInput as e:
         return page_error(request, p, 400, str(e))
@@ -127,7 +127,10 @@ async def login_form(request: Request, p: Principal) -> Response:
 
 async def login(request: Request, p: Principal) -> Response:
     fleet = fleet_of(request)
-    form = await request.form()
+    try:
+        form = text_form(await request.form())
+    except BadInput as e:
+        return page_error(request, p, 400, str(e))
     target = _local(str(form.get("next") or ""))
     secret = str(form.get("token") or "").strip()
     token = await run_in_threadpool(lambda: fleet.auth.tokens().verify(secret)) if secret else None
@@ -139,8 +142,12 @@ async def login(request: Request, p: Principal) -> Response:
 
 
 async def logout(request: Request, p: Principal) -> Response:
+    """End the session server-side, not only in this browser: a copy of its cookie must not work afterwards."""
+    auth = fleet_of(request).auth
+    if p.session is not None:
+        await run_in_threadpool(auth.end, p.session)
     response = RedirectResponse("/login", 303)
-    fleet_of(request).auth.set_cookie(response, fleet_of(request).auth.new_session(None))
+    auth.set_cookie(response, auth.new_session(None))
     return response
 
 

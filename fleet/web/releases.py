@@ -23,9 +23,10 @@ from starlette.routing import Route
 from edgetune import paths
 from edgetune.atomic import write_atomic
 from edgetune.release import SHA256_RE
+from edgetune.sqlite import DBError
 from fleet import rollout_store as rs
 from fleet.store import FleetStore
-from fleet.web.app import fleet_of
+from fleet.web.app import RETRY_AFTER_S, fleet_of
 
 _checked: dict[str, tuple[int, int]] = {}  # sha256 -> (size, mtime_ns) of the cache file when it last matched
 _lock = threading.Lock()
@@ -77,6 +78,9 @@ async def release_file(request: Request) -> Response:
         path = await run_in_threadpool(lambda: cached_file(fleet.stores(), sha))
     except RuntimeError as e:
         return Response(f"{e}\n", 500, media_type="text/plain")
+    except DBError as e:  # passing (PostgreSQL restarting): the device's download tries again
+        return Response(f"{e}; try again in a moment\n", 503, media_type="text/plain",
+                        headers={"Retry-After": RETRY_AFTER_S})
     if path is None:
         return Response(f"no model with sha256 {sha} is registered\n", 404, media_type="text/plain")
     etag = f'"{sha}"'

@@ -60,8 +60,8 @@ def _templates() -> jinja2.Environment:
 
 
 def _healthz(health: Callable[[], dict]) -> Callable[[Request], Awaitable[Response]]:
-    """`/healthz`, no credentials: 200 while `health()` says ok (the receiver is connected to the broker), 503 while
-    not, so a systemd or Kubernetes probe sees what the body says."""
+    """`/healthz`, no credentials: 200 while `health()` says ok (the receiver is connected to the broker and its
+    fleet DB stores), 503 while not, so a systemd or Kubernetes probe sees what the body says."""
     async def endpoint(request: Request) -> Response:
         h = {"ok": True, "time": time.time(), **health()}
         return JSONResponse(h, status_code=200 if h["ok"] else 503)
@@ -69,15 +69,26 @@ def _healthz(health: Callable[[], dict]) -> Callable[[Request], Awaitable[Respon
     return endpoint
 
 
+def _under_api(request: Request) -> bool:
+    return (request.url.path + "/").startswith(api.PREFIX + "/")
+
+
 async def _no_route(request: Request, exc: Exception) -> Response:
     """An unmatched path or method: under /api/ a JSON error like every other API answer, elsewhere plain text."""
     assert isinstance(exc, HTTPException)
-    if not (request.url.path + "/").startswith(api.PREFIX + "/"):
+    if not _under_api(request):
         return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
     if exc.status_code == 405:
         return api_error(405, f"{request.method} is not allowed on {request.url.path}; allowed: "
                               f"{(exc.headers or {}).get('Allow', '?')}", **(exc.headers or {}))
     return api_error(exc.status_code, f"no API route {request.url.path}; GET {api.PREFIX}/openapi.json lists them")
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """What no handler expected (a bug): a 500 naming nothing of the server's insides, under /api/ in the API's
+    JSON error shape; the traceback goes to the log (uvicorn logs the exception after this answer)."""
+    msg = "internal error in the fleet server; its log has the details"
+    return api_error(500, msg) if _under_api(request) else PlainTextResponse(msg[0].upper() + msg[1:] + ".\n", 500)
 
 
 def create_app(open_store: Callable[[], FleetStore], auth: Auth, limits: Limits, send: Send,
@@ -92,6 +103,7 @@ def create_app(open_store: Callable[[], FleetStore], auth: Auth, limits: Limits,
         yield
         stores.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _no_route, 405: _no_route})
+    handlers = {404: _no_route, 405: _no_route, 500: _server_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.fleet = Fleet(stores, auth, limits, send, _templates(), health)
     return _security_headers(app)

@@ -20,11 +20,11 @@ async function getJSON(url) {
 
 const pad = n => String(n).padStart(2, "0");
 
-function when(ts) {  // as the server renders it: YYYY-MM-DD HH:MM:SS, local time
-  if (!ts) return "-";
+function when(ts) {  // as the server renders it (fleet/web/filters.py when): YYYY-MM-DD HH:MM:SS UTC
   const d = new Date(ts * 1000);
-  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ` +
-         `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  if (!ts || isNaN(d)) return "-";
+  return `${d.getUTCFullYear()}-${pad(d.getUTCMonth() + 1)}-${pad(d.getUTCDate())} ` +
+         `${pad(d.getUTCHours())}:${pad(d.getUTCMinutes())}:${pad(d.getUTCSeconds())} UTC`;
 }
 
 function ago(ts) {
