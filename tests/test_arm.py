@@ -48,8 +48,10 @@ def _failures(spec: KernelSpec, cases: list[tuple[str, dict]], hw) -> list[str]:
     return [f"{w} {cfg}: {r.reason}" for (w, cfg), r in zip(cases, results) if not r.ok]
 
 
-@pytest.mark.parametrize("isa", SWEPT)
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+# the 32-bit sweep is opt-in (`pytest -m slow`), to keep the default run under CI's time: 64-bit runs by default
+@pytest.mark.parametrize("spec,isa", [
+    pytest.param(spec, isa, id=f"{spec.name}-{isa}", marks=[pytest.mark.slow] if isa == "armv7-a+neon" else [])
+    for isa in SWEPT for spec in SPECS])
 def test_emulated_defaults_and_every_knob_value(spec: KernelSpec, isa: str):
     """Every workload's valid default and every knob value of the target's space, at least once, compute the
     reference's values when cross-built and run under emulation."""
@@ -160,6 +162,7 @@ def test_register_file_and_big_cores_shape_the_space():
     assert any("big cores" in why for why in gemm.space(shape, partial).violations(four))
 
 
+@pytest.mark.slow  # every ARM level's counts (~40 s); test_hwprobe runs `kernels --isa armv8-a` by default
 def test_kernels_cli_lists_arm_spaces():
     p = subprocess.run([sys.executable, "-m", "edgetune.main", "kernels", "--isa", "armv8-a", "--json"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -191,7 +194,8 @@ def proposer():
     return Proposer(path=default_model_path())
 
 
-@pytest.mark.parametrize("tree", ARM_TREES)
+@pytest.mark.parametrize("tree", [pytest.param(t, marks=[] if t in ("rpi4", "jetson_orin_nano") else [pytest.mark.slow])
+                                  for t in ARM_TREES])  # two devices by default, every one with -m slow
 def test_propose_on_arm_trees(tree: str, proposer):
     """Valid, distinct top-5 configs for every kernel's bundled workloads on each ARM device; the model has no ARM
     timing data, so this holds the grammar and constraints, not the ranking."""
