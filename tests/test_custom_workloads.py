@@ -39,6 +39,9 @@ def test_tune_custom_shape_then_report_pin_verify():
     assert un.returncode == 0 and json.loads(un.stdout) == {"unpinned": 1}, un.stderr
     un = _cli("unpin", "dwconv_3x3", "no.such.layer")
     assert un.returncode == 2 and "no pin for dwconv_3x3/no.such.layer" in un.stderr
+    gone = _cli("forget", "dwconv_3x3", "H=20,W=20,C=96,stride=1", "--json")  # the shape, as tune took it
+    assert gone.returncode == 0 and json.loads(gone.stdout)["workload"] == "custom.H20-W20-C96-stride1", gone.stderr
+    assert json.loads(_cli("report", "--json").stdout) == []
 
 
 def test_tune_table_says_where_the_time_went():

@@ -54,6 +54,13 @@ def test_names_differing_in_punctuation_get_one_macro_each_or_are_refused(tmp_pa
     assert "active configs gemm/net.fc-1 and gemm/net.fc.1 both map to the C macro EDGETUNE_GEMM_NET_FC_1" in err
     assert _cli("export", "--format", "json").returncode == 0  # JSON keeps the names as they are
 
+    gone = _cli("forget", "gemm", "net.fc.1", "--json")  # the way out the error names
+    assert gone.returncode == 0 and json.loads(gone.stdout)["workload"] == "net.fc.1", gone.stderr
+    assert _cli("export", "--format", "c-header", "-o", str(tmp_path / "clash.h")).returncode == 0
+    assert set(json.loads(_cli("export", "--format", "json").stdout)["kernels"]) == {"gemm/net.fc-1", "gemm/net.fc2"}
+    again = _cli("forget", "gemm", "net.fc.1")
+    assert again.returncode == 2 and "no active config for gemm/net.fc.1" in again.stderr
+
 
 def test_a_selector_equal_to_another_slots_threads_macro_is_refused():
     """`fc.threads` selects with EDGETUNE_GEMM_FC_THREADS, which `fc`'s block always defines: its knobs would
@@ -63,3 +70,12 @@ def test_a_selector_equal_to_another_slots_threads_macro_is_refused():
     with pytest.raises(BadInput, match="gemm/fc and gemm/fc.threads both map to the C macro EDGETUNE_GEMM_FC_THREADS"):
         to_c_header(doc)
     assert "#ifdef EDGETUNE_GEMM_FC\n" in to_c_header({**doc, "kernels": {"gemm/fc": entry}})
+
+
+def test_the_comment_line_keeps_a_tiny_kernels_time():
+    """A 20 ns kernel's comment must not read `0.0000 ms`; an entry without a time reads `-`."""
+    fast = {"config": GEMM.default, "ms": 2.0e-05, "speedup": 3.0, "strategy": "llm"}
+    untimed = {"config": GEMM.default, "speedup": 1.0, "strategy": "pin"}
+    header = to_c_header({"hw_fingerprint": "x", "kernels": {"gemm/tiny": fast, "gemm/pinned": untimed}})
+    assert "/* gemm/tiny: 2e-05 ms, speedup 3.00x, strategy llm */" in header
+    assert "/* gemm/pinned: - ms, speedup 1.00x, strategy pin */" in header

@@ -414,7 +414,8 @@ def test_verify_fails_on_a_slower_config_and_reports_a_faster_one():
 
 
 @pytest.mark.parametrize("verb", [["tune", "--kernel", "nosuch"], ["bench", "gemm", "--shape", "M=0,N=1,K=1"],
-                                  ["propose", "gemm", "--workload", "no.such.layer"], ["unpin", "gemm", "nope"]])
+                                  ["propose", "gemm", "--workload", "no.such.layer"], ["unpin", "gemm", "nope"],
+                                  ["forget", "gemm", "nope"], ["forget", "nosuch", "w"]])
 def test_an_error_under_json_is_a_json_object_on_stdout(verb):
     p = _cli(*verb, "--json")
     assert p.returncode == 2, (verb, p.stderr)
@@ -454,7 +455,7 @@ def test_damaged_pages_are_a_clear_error_in_every_verb_that_reads_active_configs
     for n in range(2, len(data) // page):  # b-tree page headers become garbage; the file header stays valid
         data[n * page:n * page + 16] = b"\xff" * 16
     db_path.write_bytes(bytes(data))
-    for verb in (["report"], ["export"], ["verify"], ["unpin", "gemm", "w001"]):
+    for verb in (["report"], ["export"], ["verify"], ["unpin", "gemm", "w001"], ["forget", "gemm", "w001"]):
         p = _cli(*verb)
         assert p.returncode == 1 and "Traceback" not in p.stderr, (verb, p.stderr)
         assert "corrupt" in p.stderr and "edgetune report --reset" in " ".join(p.stderr.split()), (verb, p.stderr)

@@ -54,6 +54,15 @@ def unpin(db: ResultsDB, kernel: str | None = None, workload: str | None = None)
     return n
 
 
+def forget(db: ResultsDB, kernel: str, workload: str) -> dict | None:
+    """Drop a slot from the active configs, its pin and the tuned result under it (returned; None when there was
+    none). Sessions and measurements stay: a later tune of the slot is served from them unless forced."""
+    entry = db.active_entry(kernel, workload)
+    if entry is not None:
+        db.remove_active(kernel, workload)
+    return entry
+
+
 def tuned_entry(entry: dict | None) -> dict | None:
     """The tuned result of a slot's entry: the entry itself, or the one a pin holds under it."""
     if not entry:

@@ -1,4 +1,5 @@
-"""Verbs `tune`, `report`, `pin`, `unpin`, `verify`, `export`: tune, inspect and consume the active configs."""
+"""Verbs `tune`, `report`, `pin`, `unpin`, `forget`, `verify`, `export`: tune, inspect and consume the active
+configs."""
 
 from __future__ import annotations
 
@@ -76,6 +77,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("workload", nargs="?", help="only this workload's pin: its name, or a custom shape as given to pin")
     json_flag(p)
     p.set_defaults(func=cmd_unpin)
+
+    p = sub.add_parser("forget", help="drop one kernel/workload from the active configs (pin included); "
+                                      "its measurements stay")
+    p.add_argument("kernel")
+    p.add_argument("workload", help="workload name, or a custom shape as given to tune/pin")
+    json_flag(p)
+    p.set_defaults(func=cmd_forget)
 
     p = sub.add_parser("verify", help="re-measure active configs and report drift beyond the noise threshold "
                                       "(exit 1 when one got slower or failed)")
@@ -302,6 +310,19 @@ def cmd_unpin(args: argparse.Namespace) -> int:
     if workload and not n:
         raise BadInput(f"no pin for {args.kernel}/{workload}; `edgetune report` shows the pinned configs")
     emit({"unpinned": n}, args.json, lambda d: print(f"unpinned {d['unpinned']} config(s)"))
+    return 0
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    spec = get_spec(args.kernel)
+    workload = custom_workload(spec, args.workload).name if "=" in args.workload else args.workload
+    entry = active.forget(ResultsDB(), spec.name, workload)
+    if entry is None:
+        raise BadInput(f"no active config for {spec.name}/{workload}; `edgetune report` lists the active ones")
+    out = {"kernel": spec.name, "workload": workload, "config": entry["config"], "pinned": entry["pinned"]}
+    emit(out, args.json, lambda d: print(
+        f"forgot {d['kernel']}/{d['workload']} ({format_config(d['config'])}); its measurements stay, so "
+        "`edgetune tune` brings it back at once (`--force` measures again)"))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from edgetune.errors import BadInput
+from edgetune.output import fmt_ms
 from kernels.build import knob_flags
 
 
@@ -25,7 +26,8 @@ def _selectors(slots: list[str]) -> dict[str, str]:
             if macro in owner:
                 raise BadInput(f"active configs {owner[macro]} and {slot} both map to the C macro {macro}, so a "
                                "firmware build could not tell them apart; name workloads so that they differ in "
-                               "more than '.', '-', '_' or letter case (`--format json` exports both as they are)")
+                               "more than '.', '-', '_' or letter case, or drop one with `edgetune forget` "
+                               "(`--format json` exports both as they are)")
             owner[macro] = slot
     return out
 
@@ -43,7 +45,7 @@ def to_c_header(doc: dict) -> str:
     selectors = _selectors(sorted(doc["kernels"]))
     for slot, e in sorted(doc["kernels"].items()):
         sel = selectors[slot]
-        out.append(f"/* {slot}: {e.get('ms') or 0:.4f} ms, speedup {e.get('speedup') or 0:.2f}x, "
+        out.append(f"/* {slot}: {fmt_ms(e.get('ms'))} ms, speedup {e.get('speedup') or 0:.2f}x, "
                    f"strategy {e.get('strategy')} */")
         out.append(f"#define {sel}_THREADS {int(e['config'].get('threads', 1))}")
         out.append(f"#ifdef {sel}")
