@@ -13,7 +13,7 @@ from kernels.roofline import roofline_fraction
 from kernels.space import config_from_json, format_config
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
-from kernels.workloads import resolve
+from kernels.workloads import resolve, select_targets
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,8 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bench", help="measure one config of a kernel on a workload, in place")
     p.add_argument("kernel", nargs="?", help="kernel name (see `edgetune kernels`)")
-    p.add_argument("--workload", help="bundled workload name")
+    p.add_argument("--workload", help="workload name: bundled, or from --workloads")
     p.add_argument("--shape", help="custom shape, e.g. M=196,N=576,K=96 (see `edgetune kernels`)")
+    p.add_argument("--workloads", action="append", metavar="FILE",
+                   help="a workloads file (e.g. from `edgetune workloads import`): bench its workloads, or the one "
+                        "--workload names; repeatable")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--config", help='JSON object of knobs, e.g. \'{"vec": 8, "threads": 2}\'; missing knobs take defaults')
     g.add_argument("--default", action="store_true", help="the kernel's default config (the default)")
@@ -102,23 +105,31 @@ def bench_one(spec: KernelSpec, wl: Workload, cfg: dict, hw: Any, runner: Runner
 
 
 def _check_all(args: argparse.Namespace) -> None:
-    """--all benches every bundled workload: a kernel, --workload or --shape beside it would be silently ignored,
-    and the user would read rows for what they did not ask."""
+    """--all benches every bundled workload: a kernel, --workload, --shape or --workloads beside it would be
+    silently ignored, and the user would read rows for what they did not ask."""
     given = [f"{flag}{value}" for flag, value in (("", args.kernel), ("--workload ", args.workload),
                                                    ("--shape ", args.shape)) if value]
+    given += [f"--workloads {f}" for f in args.workloads or ()]
     if given:
         raise BadInput(f"--all benches every bundled workload; drop {', '.join(given)} (or drop --all)")
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def bench_targets(args: argparse.Namespace) -> list[tuple[KernelSpec, Workload]]:
+    """--all: every bundled workload; --workloads: a file's (narrowed by the kernel and --workload); else one."""
     if args.all:
         _check_all(args)
-        targets = [(s, w) for s in all_specs().values() for w in s.workloads]
-    else:
-        if not args.kernel:
-            raise BadInput("name a kernel (see `edgetune kernels`) or pass --all")
-        spec = get_spec(args.kernel)
-        targets = [(spec, resolve(spec, args.workload, args.shape))]
+        return [(s, w) for s in all_specs().values() for w in s.workloads]
+    if args.workloads:
+        return select_targets([args.kernel] if args.kernel else None, [args.workload] if args.workload else None,
+                              args.shape, args.workloads, verb="bench")
+    if not args.kernel:
+        raise BadInput("name a kernel (see `edgetune kernels`), or pass --workloads FILE or --all")
+    spec = get_spec(args.kernel)
+    return [(spec, resolve(spec, args.workload, args.shape))]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    targets = bench_targets(args)
     hw = _hw(args.isa, bandwidth=True)
     rows = []
     with Runner() as runner, progress(not args.json) as bar:
@@ -142,5 +153,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                if args.ort else [])
             + [fmt(r["gflops"], 2), fmt(r["roofline"], 2)] for r in rs])
 
-    emit(rows if args.all else rows[0], args.json, lambda d: render(d if args.all else [d]))
+    many = args.all or bool(args.workloads)
+    emit(rows if many else rows[0], args.json, lambda d: render(d if many else [d]))
     return 0 if all(r["ok"] for r in rows) else 1

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from kernels.workload_files import WorkloadEntry, write_workloads_file
+
 
 def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgetune.main", *args], capture_output=True, text=True,
@@ -180,9 +182,30 @@ def test_a_dimension_given_twice_is_refused(verb):
 
 @pytest.mark.parametrize("extra, named", [(("gemm",), "gemm"),
                                           (("--workload", "kws_dscnn.fc"), "--workload kws_dscnn.fc"),
-                                          (("--shape", "M=1,N=2,K=3"), "--shape M=1,N=2,K=3")])
+                                          (("--shape", "M=1,N=2,K=3"), "--shape M=1,N=2,K=3"),
+                                          (("--workloads", "w.toml"), "--workloads w.toml")])
 def test_bench_all_refuses_a_kernel_workload_or_shape_beside_it(extra, named):
     """--all benches every bundled workload; a selection beside it was ignored, so its rows were not the ones asked."""
     p = _cli("bench", "--all", *extra)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert f"--all benches every bundled workload; drop {named}" in " ".join(p.stderr.split()), p.stderr
+
+
+def test_bench_takes_an_imported_layer_by_name_from_its_workloads_file(tmp_path):
+    """A layer from `workloads import` has no bundled name: bench finds it in the file, as tune does."""
+    path = tmp_path / "net.toml"
+    write_workloads_file(path, [WorkloadEntry("gemm", {"M": 12, "N": 16, "K": 24}, "net.fc1"),
+                                WorkloadEntry("dwconv_3x3", {"H": 8, "W": 8, "C": 16, "stride": 1}, "net.dw1")])
+    one = _cli("bench", "gemm", "--workload", "net.fc1", "--workloads", str(path), "--json")
+    assert one.returncode == 0, one.stderr
+    rows = json.loads(one.stdout)
+    assert [(r["workload"], r["shape"], r["ok"]) for r in rows] == [("net.fc1", {"M": 12, "N": 16, "K": 24}, True)]
+    both = _cli("bench", "--workloads", str(path), "--json")
+    assert both.returncode == 0 and {r["workload"] for r in json.loads(both.stdout)} == {"net.fc1", "net.dw1"}
+    missing = _cli("bench", "gemm", "--workload", "net.fc9", "--workloads", str(path))
+    assert missing.returncode == 2 and f"workload(s) net.fc9 are not in {path}" in " ".join(missing.stderr.split())
+    shape = _cli("bench", "gemm", "--shape", "M=1,N=2,K=3", "--workloads", str(path))
+    assert shape.returncode == 2 and "--shape and --workloads both name what to bench" in shape.stderr
+    none = _cli("bench", "conv1d", "--workloads", str(path))
+    assert none.returncode == 2 and "nothing to bench: the selection matched no workload" in none.stderr
+    assert "unknown kernel 'nosuch'" in _cli("bench", "nosuch", "--workloads", str(path)).stderr

@@ -16,11 +16,11 @@ from hwprobe.compiler import CompilerMissing
 from hwprobe.power import meter_from_config
 from edgetune.output import console, emit, fmt, fmt_ms, json_flag, progress, say, table
 from kernels.measure import TIE_THRESHOLD
-from kernels.registry import all_specs, get_spec
+from kernels.registry import get_spec
 from kernels.space import config_from_json, format_config
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
-from kernels.workloads import custom_workload, resolve
+from kernels.workloads import custom_workload, resolve, select_targets
 from tuner import active
 from tuner.db import ResultsDB
 from tuner.evaluate import Measured
@@ -120,49 +120,13 @@ def open_db(reset: bool = False) -> ResultsDB:
     return ResultsDB()
 
 
-def select_targets(kernels: list[str] | None, workloads: list[str] | None, shape: str | None,
-                   files: list[str] | None) -> list[tuple[KernelSpec, Workload]]:
-    """What `tune` should run: workload files, a custom shape, named workloads, or everything bundled."""
-    if shape and workloads:
-        raise BadInput("give either --workload or --shape, not both")
-    if shape and files:
-        raise BadInput("--shape and --workloads both name what to tune; give one")
-    if files:
-        from kernels.workload_files import load_workload_files
-
-        targets = [(s, w) for s, w in load_workload_files(files) if not kernels or s.name in kernels]
-        missing = sorted(set(workloads or ()) - {w.name for _, w in targets})
-        if missing:
-            raise BadInput(f"workload(s) {', '.join(missing)} are not in {', '.join(files)}"
-                           + (f" for kernel(s) {', '.join(kernels)}" if kernels else ""))
-        return [(s, w) for s, w in targets if not workloads or w.name in workloads]
-    specs = [get_spec(k) for k in kernels] if kernels else list(all_specs().values())
-    if shape:
-        if len(specs) != 1:
-            raise BadInput("--shape needs exactly one --kernel")
-        return [(specs[0], resolve(specs[0], None, shape))]
-    if workloads:
-        if len(specs) == 1:
-            return [(specs[0], resolve(specs[0], w, None)) for w in workloads]
-        out = [(s, w) for s in specs for w in s.workloads if w.name in workloads]
-        known = {w.name for s in specs for w in s.workloads}
-        bad = [w for w in workloads if w not in known]
-        if bad:
-            raise BadInput(f"unknown workload(s) {', '.join(bad)}; name a --kernel, or see `edgetune kernels`")
-        return out
-    return [(s, w) for s in specs for w in s.workloads]
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
     if args.budget is not None and args.budget <= 0:
         raise BadInput(f"--budget must be a positive number of evaluations, got {args.budget}")
     if args.seconds is not None and args.seconds <= 0:
         raise BadInput(f"--seconds must be positive, got {args.seconds}")
     check_strategy(args.strategy)
-    targets = select_targets(args.kernel, args.workload, args.shape, args.workloads)
-    if not targets:
-        raise BadInput("nothing to tune: the selection matched no workload"
-                       + (f" (workloads files: {', '.join(args.workloads)})" if args.workloads else ""))
+    targets = select_targets(args.kernel, args.workload, args.shape, args.workloads, verb="tune")
     hw = _hw(args.isa)
     db = open_db(args.reset)
     results, failures = [], []
