@@ -76,6 +76,7 @@ class Outcome:
 class Events(Protocol):
     def job_started(self, job: Job) -> None: ...
     def job_progress(self, job: Job, fraction: float, message: str) -> None: ...
+    def waiting_idle(self, job: Job) -> None: ...
     def tuned(self, db: ResultsDB, target: Target, result: dict | None) -> None: ...
     def job_finished(self, job: Job, outcome: Outcome) -> None: ...
 
@@ -178,7 +179,8 @@ class Scheduler:
             while job.wait_idle and not self._stopping and load_per_core() >= self.idle_threshold:
                 if self.state != "waiting-idle":
                     log.info("waiting for idle: load1 per core %.2f >= %.2f", load_per_core(), self.idle_threshold)
-                self.state = "waiting-idle"
+                    self.state = "waiting-idle"
+                    self.events.waiting_idle(job)  # under the (re-entrant) lock: it may read snapshot()
                 self._cond.wait(IDLE_POLL_S)
             self.state = "tuning"
             return not self._stopping

@@ -27,7 +27,7 @@ from daemon.model_update import Updater
 from daemon.mqtt import Link
 from daemon.outbox import Outbox
 from daemon.publisher import Publisher, status_doc
-from daemon.scheduler import Job, Outcome, Scheduler
+from daemon.scheduler import Job, Outcome, Scheduler, load_per_core
 from daemon.store import DaemonStore, Journal, checked, rederivable, results_db
 from daemon.telemetry import Telemetry
 from edgetune import __version__
@@ -401,9 +401,14 @@ class Daemon:
         return self.scheduler.state
 
     def _status_line(self) -> str:
-        job = self.scheduler.snapshot()["job"] if self.scheduler else None
+        snap = self.scheduler.snapshot() if self.scheduler else {"state": self.state, "job": None}
+        job = snap["job"]
         broker = "no broker" if not self.link else ("connected" if self.link.connected else "disconnected")
-        doing = f"{job['message'] or 'tuning'} ({job['progress']:.0%})" if job else self.state
+        if job and snap["state"] == "waiting-idle":
+            doing = (f"waiting for idle before tuning: load1 per core {load_per_core():.2f}, under "
+                     f"{self.scheduler.idle_threshold:g} needed (idle_load_threshold)")
+        else:
+            doing = f"{job['message'] or 'tuning'} ({job['progress']:.0%})" if job else self.state
         return f"{doing}; broker {broker}; outbox {self.outbox.depth()[0]}"
 
     # ---- config reload (SIGHUP) ----------------------------------------------------------------------------
@@ -499,6 +504,9 @@ class Daemon:
         self._tuner_step(lambda: self._update_all(job.command_ids, "in_progress", progress=0.0,
                                                   message=f"tuning {len(job.targets)} workload(s)"))
         sdnotify.notify(STATUS=self._status_line())
+
+    def waiting_idle(self, job: Job) -> None:
+        sdnotify.notify(STATUS=self._status_line())  # `systemctl status` says why nothing runs yet
 
     def job_progress(self, job: Job, fraction: float, message: str) -> None:
         now = time.monotonic()

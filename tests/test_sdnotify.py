@@ -79,6 +79,9 @@ def test_watchdog_interval(monkeypatch, usec, pid, expected) -> None:
     assert sdnotify.watchdog_interval() == expected
 
 
+WAITING = "STATUS=waiting for idle before tuning: load1 per core "
+
+
 def _daemon_verb() -> bool:
     if not (Path(sdnotify.__file__).parent / "service.py").exists():
         return False
@@ -91,7 +94,7 @@ def test_daemon_speaks_sd_notify(tmp_path, listener) -> None:
     """The real daemon, started as systemd would: NOTIFY_SOCKET and WATCHDOG_USEC set, no broker configured."""
     from tests.test_daemon_support import DaemonProc, daemon_config
 
-    d = DaemonProc(daemon_config(tmp_path, None, idle_load_threshold=1e-9))  # no background tuning here
+    d = DaemonProc(daemon_config(tmp_path, None, idle_load_threshold=1e-9))  # its first tune waits for idle
     d.env |= {"WATCHDOG_USEC": "1000000"}  # pings expected every 0.5 s
     d.env.pop("WATCHDOG_PID", None)
     d.start()
@@ -100,7 +103,7 @@ def test_daemon_speaks_sd_notify(tmp_path, listener) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             fields = [f for t, m in got for f in m.splitlines()]
-            if "READY=1" in fields and fields.count("WATCHDOG=1") >= 4 and any(f.startswith("STATUS=") for f in fields):
+            if "READY=1" in fields and fields.count("WATCHDOG=1") >= 4 and any(f.startswith(WAITING) for f in fields):
                 break
             assert d.proc.poll() is None, f"daemon exited:\n{d.log[-3000:]}"
             try:
@@ -121,7 +124,8 @@ def test_daemon_speaks_sd_notify(tmp_path, listener) -> None:
         print(f"+{t - t0:6.2f}s  {m.strip()!r}")
     fields = [f for _, m in got for f in m.splitlines()]
     assert "READY=1" in fields, d.log[-3000:]
-    assert any(f.startswith("STATUS=") for f in fields)
+    waiting = next(f for f in fields if f.startswith(WAITING))  # not "tuning ... (0%)" while nothing runs
+    assert "under 1e-09 needed (idle_load_threshold); broker no broker" in waiting, waiting
     assert "STOPPING=1" in fields
     pings = [t for t, m in got if "WATCHDOG=1" in m.splitlines()]
     ready_at = next(t for t, m in got if "READY=1" in m.splitlines())
