@@ -1,4 +1,5 @@
-"""Resolve what a verb should run on: a bundled workload by name, or a custom shape given as text."""
+"""Resolve what a verb should run on: a bundled workload by name, a custom shape given as text, or a selection
+over workloads files (`select_targets`, shared by `tune` and `bench`)."""
 
 from __future__ import annotations
 
