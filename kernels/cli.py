@@ -13,7 +13,8 @@ from kernels.roofline import roofline_fraction
 from kernels.space import config_from_json, format_config
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
-from kernels.workloads import resolve, select_targets
+from kernels.workload_files import select_targets
+from kernels.workloads import resolve
 
 
 def register(sub: argparse._SubParsersAction) -> None:

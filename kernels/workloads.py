@@ -1,5 +1,4 @@
-"""Resolve what a verb should run on: a bundled workload by name, a custom shape given as text, or a selection
-over workloads files (`select_targets`, shared by `tune` and `bench`)."""
+"""Resolve what a verb should run on: a bundled workload by name, or a custom shape given as text."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import math
 import os
 
 from edgetune.errors import BadInput
-from kernels.registry import all_specs, get_spec
 from kernels.space import Shape
 from kernels.spec import KernelSpec, Workload
 
@@ -98,41 +96,3 @@ def _shape_text_from_name(spec: KernelSpec, name: str) -> str:
     if len(parts) != len(spec.dims):
         raise BadInput(f"{name!r} is not a custom workload name of {spec.name}")
     return ",".join(out)
-
-
-def select_targets(kernels: list[str] | None, workloads: list[str] | None, shape: str | None,
-                   files: list[str] | None, verb: str) -> list[tuple[KernelSpec, Workload]]:
-    """What `tune` or `bench` should run: workload files, a custom shape, named workloads, or everything bundled."""
-    if shape and workloads:
-        raise BadInput("give either --workload or --shape, not both")
-    if shape and files:
-        raise BadInput(f"--shape and --workloads both name what to {verb}; give one")
-    if files:
-        from kernels.workload_files import load_workload_files  # it imports this module
-
-        names = {get_spec(k).name for k in kernels or ()}  # an unknown kernel is named, not matched by nothing
-        targets = [(s, w) for s, w in load_workload_files(files) if not names or s.name in names]
-        missing = sorted(set(workloads or ()) - {w.name for _, w in targets})
-        if missing:
-            raise BadInput(f"workload(s) {', '.join(missing)} are not in {', '.join(files)}"
-                           + (f" for kernel(s) {', '.join(kernels)}" if kernels else ""))
-        targets = [(s, w) for s, w in targets if not workloads or w.name in workloads]
-        if not targets:
-            raise BadInput(f"nothing to {verb}: the selection matched no workload (workloads files: "
-                           f"{', '.join(files)})")
-        return targets
-    specs = [get_spec(k) for k in kernels] if kernels else list(all_specs().values())
-    if shape:
-        if len(specs) != 1:
-            raise BadInput("--shape needs exactly one --kernel")
-        return [(specs[0], resolve(specs[0], None, shape))]
-    if workloads:
-        if len(specs) == 1:
-            return [(specs[0], resolve(specs[0], w, None)) for w in workloads]
-        out = [(s, w) for s in specs for w in s.workloads if w.name in workloads]
-        known = {w.name for s in specs for w in s.workloads}
-        bad = [w for w in workloads if w not in known]
-        if bad:
-            raise BadInput(f"unknown workload(s) {', '.join(bad)}; name a --kernel, or see `edgetune kernels`")
-        return out
-    return [(s, w) for s in specs for w in s.workloads]

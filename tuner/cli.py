@@ -20,7 +20,8 @@ from kernels.registry import get_spec
 from kernels.space import config_from_json, format_config
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
-from kernels.workloads import custom_workload, resolve, select_targets
+from kernels.workload_files import select_targets
+from kernels.workloads import custom_workload, resolve
 from tuner import active
 from tuner.db import ResultsDB
 from tuner.evaluate import Measured
