@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FALLBACK_SUFFIX = "-anneal-fallback"  # on the version of a session that ran anneal for want of a usable model
-STRATEGY_VERSION = "12"  # bumped when the first batch or the steering changes: results are keyed by it
+STRATEGY_VERSION = "13"  # bumped when the first batch or the steering changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
@@ -76,11 +76,13 @@ HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top
 #                 budget-10 session's calls (20 ms at load 1-2); a pool of 2 was within 5% on fewer layers at
 #                 10 evals in both of two runs
 EVIDENCE_WEIGHT = 1.5  # log-weight per log of a value's best time over the best of all
-# evals without a gain that end a session (counted from the end of the first batch). Later batches hold one config
-# per core, so with two cores 3 stops where 4 did after a narrow first batch and two evals sooner after a wide one: on
-# 35 real layers of the unseen Intel host, 0.17-0.35 s sooner at no worse quality (recipe-trials.md, "The stop
-# rule's patience")
-PATIENCE = 3
+# evals without a gain that end a session (counted from the end of the first batch; doubled after a wide one). Later
+# batches hold one config per core, so with two cores 2 stops after one steered batch (7 evals) where 3 stopped after
+# two (9). On the 35 real layers of an AMD Zen 4 host, side by side in two seeds (load 0.7-2.5): the stop 0.48 and
+# 0.64 s sooner (2.23 / 2.34 s vs 2.71 / 2.98 s to the last eval) at geomean 1.009 / 0.985 (89% / 89% within 5%)
+# vs 1.001 / 0.990 (91% / 86%); a replay of 280 sessions of the unseen Intel host read 66% vs 70% (recipe-trials.md,
+# "The stop rule's patience")
+PATIENCE = 2
 WIDE_SPREAD = 2.0  # the first batch's slowest over fastest: beyond this, patience doubles
 EXPLORE_POOL = 32  # random unmeasured configs the model picks its exploration step from, once converged
 EXPLORE_AWAY = 3  # knob steps a pooled config is at least from the incumbent
