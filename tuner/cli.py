@@ -268,9 +268,8 @@ def cmd_pin(args: argparse.Namespace) -> int:
 def cmd_unpin(args: argparse.Namespace) -> int:
     workload = args.workload
     if args.kernel:
-        spec = get_spec(args.kernel)
-        if workload and "=" in workload:  # a custom shape, as `pin` takes it
-            workload = custom_workload(spec, workload).name
+        spec = get_spec(args.kernel)  # an unknown kernel is named, with or without a workload
+        workload = slot_name(spec, workload) if workload else workload
     n = active.unpin(ResultsDB(), args.kernel, workload)
     if workload and not n:
         raise BadInput(f"no pin for {args.kernel}/{workload}; `edgetune report` shows the pinned configs")
@@ -280,7 +279,7 @@ def cmd_unpin(args: argparse.Namespace) -> int:
 
 def cmd_forget(args: argparse.Namespace) -> int:
     spec = get_spec(args.kernel)
-    workload = custom_workload(spec, args.workload).name if "=" in args.workload else args.workload
+    workload = slot_name(spec, args.workload)
     entry = active.forget(ResultsDB(), spec.name, workload)
     if entry is None:
         raise BadInput(f"no active config for {spec.name}/{workload}; `edgetune report` lists the active ones")
@@ -289,6 +288,12 @@ def cmd_forget(args: argparse.Namespace) -> int:
         f"forgot {d['kernel']}/{d['workload']} ({format_config(d['config'])}); its measurements stay, so "
         "`edgetune tune` brings it back at once (`--force` measures again)"))
     return 0
+
+
+def slot_name(spec: KernelSpec, text: str) -> str:
+    """The workload name of an active slot given as a name or as a custom shape (`M=196,N=64,K=384`, as `pin` and
+    `tune --shape` take it: its slot is the shape's generated `custom.…` name)."""
+    return custom_workload(spec, text).name if "=" in text else text
 
 
 def active_workload(spec: KernelSpec, name: str, entry: dict | None) -> Workload:
