@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FALLBACK_SUFFIX = "-anneal-fallback"  # on the version of a session that ran anneal for want of a usable model
-STRATEGY_VERSION = "13"  # bumped when the first batch or the steering changes: results are keyed by it
+STRATEGY_VERSION = "13"  # bumped when the first batch, the steering or the stop changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
