@@ -310,9 +310,10 @@ def test_interrupted_forced_tunes_resume_or_are_closed_and_published(tmp_path, m
     results = Path(os.environ["STATE_DIRECTORY"]) / "results.db"
 
     def running() -> tuple[int, int]:
+        """The unfinished session and its journaled search measurements (a kill may also land in its finals)."""
         with sqlite3.connect(results) as db:
             return db.execute("SELECT s.id, count(m.id) FROM sessions s JOIN measurements m ON m.session_id = s.id "
-                              "WHERE s.state='running' GROUP BY s.id").fetchone()
+                              "WHERE s.state='running' AND m.phase='search' GROUP BY s.id").fetchone()
 
     def forced(budget: int) -> None:
         d.request({"op": "retune", "force": True, "budget": budget})
