@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help=f"one of: {', '.join(STRATEGIES)}")
     p.add_argument("--budget", type=int,
                    help=f"evaluations per workload, spent whole (default: up to {Budget.evals}, stopping when the "
-                        "strategy has converged; llm converges in about 8-12)")
+                        "strategy has converged; llm converges in about 7-9)")
     p.add_argument("--seconds", type=float, help="max tuning seconds per workload")
     p.add_argument("--seed", type=int, default=0, help="the search's random seed (a rerun with it repeats its choices)")
     p.add_argument("--force", action="store_true", help="retune even if this key is already tuned")
