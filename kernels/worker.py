@@ -29,6 +29,11 @@ from kernels.spec import KernelSpec
 
 DEFAULT_TIMEOUT_S = 30.0
 INNER_MIN_MS = 0.05  # a rep lasts at least this long, so clock overhead stays under ~1%
+# Calls made before the timed reps, for at least this long: a 2-thread variant's first calls wait on its pool's
+# second core waking up. On a 2-core KVM guest (AMD EPYC Zen 3) a 0.04 ms gemm ran 1.6-2.4x slow for its first
+# 30 calls after one warm-up call, and the median of 300 timed calls read up to 21% high; after ~8 ms of calls the
+# ramp was gone (scratch ramp.py, in the closing note of 2026-12-07)
+WARMUP_MS = 10.0
 RECYCLE_AFTER = 16  # distinct libraries loaded before a fresh worker (ctypes never unloads one, nor its pool)
 # The worker's numpy references run on one BLAS thread. OpenBLAS's idle threads busy-wait ~0.1 s after each call,
 # and a variant timed in that window shares its cores with them: on 2 cores, threads=2 variants read ~2x slow.
@@ -228,15 +233,16 @@ def _serve_one(req: dict[str, Any]) -> dict[str, Any]:
     err = verdict["max_abs_err"]
     wall, cpu, niv = lib.bench(dims, bufs, packed, act, warmup=1, reps=3, inner=1)
     call_ms = max(min(wall), 1e-5)
+    warmup = int(min(100_000, max(1, math.ceil(WARMUP_MS / call_ms))))
     # a rep lasts at least INNER_MIN_MS, and reps * inner calls fill min_time_s without exceeding max_reps
     want_calls = req["min_time_s"] * 1e3 / call_ms
     inner = int(min(100_000, max(1, math.ceil(INNER_MIN_MS / call_ms), math.ceil(want_calls / req["max_reps"]))))
     reps = int(min(req["max_reps"], max(5, math.ceil(want_calls / inner))))
     t0 = time.monotonic()
-    wall, cpu, niv = lib.bench(dims, bufs, packed, act, warmup=1, reps=reps, inner=inner)
+    wall, cpu, niv = lib.bench(dims, bufs, packed, act, warmup=warmup, reps=reps, inner=inner)
     t1 = time.monotonic()
     return {"ok": True, "max_abs_err": err, "wall_ms": wall, "cpu_ms": cpu, "nivcsw": niv, "inner": inner,
-            "t0": t0, "t1": t1, "calls": 1 + reps * inner}
+            "t0": t0, "t1": t1, "calls": warmup + reps * inner}
 
 
 def main() -> None:

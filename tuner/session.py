@@ -31,10 +31,11 @@ from tuner.strategies import Strategy, make_strategy
 
 log = logging.getLogger(__name__)
 
-# per-variant timing budget, while searching and per interleaved finalist round. Drift between rounds, not the
-# window, sets the noise here: the same binary moves a median 4% from one round to the next at 0.025 s and at 0.05 s
-# alike, so a shorter window buys rounds for the same time (bench/finals_study.py)
-SEARCH_MIN_TIME_S = 0.025
+# per-variant timing budget, while searching and per interleaved finalist round, after the worker's warm-up
+# (kernels.worker.WARMUP_MS, 10 ms: 25 ms a measurement in all). Drift between rounds, not the window, sets the
+# noise here: the same binary moves a median 4% from one round to the next at 0.025 s and at 0.05 s alike, so a
+# shorter window buys rounds for the same time (bench/finals_study.py)
+SEARCH_MIN_TIME_S = 0.015
 FINAL_ROUNDS = 3  # interleaved re-measurements of each finalist; its search measurement joins them in the median
 FINALISTS = 4
 FINALIST_MARGIN = 1.15  # a config measured over 15% slower than the best while searching cannot win on noise
