@@ -10,6 +10,7 @@ import pytest
 from edgetune.errors import BadInput
 from kernels.build import build, build_many
 from kernels.registry import get_spec
+from tests.knob_values import every_knob_value
 
 # Shapes that are multiples of no vector width or tile: remainders in every loop.
 ODD_SHAPES = {
@@ -66,21 +67,7 @@ def test_every_knob_value_is_correct(name, hw, runner):
     """Each value of each knob, in the valid config nearest the default: every code path computes right values."""
     spec = get_spec(name)
     shape = KNOB_SHAPE[name]
-    space = spec.space(shape, hw)
-    base = space.valid_default()
-    valid = list(space.enumerate())
-    cfgs, seen = [base], {tuple(sorted(base.items()))}
-    for p in spec.params:
-        for v in p.values:
-            with_v = [c for c in valid if c[p.name] == v]
-            if not with_v:  # only a hardware limit may rule a value out (vec wider than the ISA, threads > cores)
-                assert p.name in ("vec", "threads"), f"{p.name}={v} is never valid on {shape}"
-                continue
-            cfg = min(with_v, key=lambda c: space.distance(c, base))
-            if tuple(sorted(cfg.items())) not in seen:
-                seen.add(tuple(sorted(cfg.items())))
-                cfgs.append(cfg)
-    _measure_ok(runner, spec, shape, cfgs, hw)
+    _measure_ok(runner, spec, shape, every_knob_value(spec, shape, hw), hw)
 
 
 def test_defaults_are_valid_on_avx2():

@@ -10,6 +10,7 @@ import pytest
 from edgetune.errors import BadInput
 from kernels.build import build
 from kernels.registry import get_spec
+from tests.knob_values import every_knob_value
 
 FAST = {"min_time_s": 0.01, "max_reps": 5}
 
@@ -110,19 +111,8 @@ def test_dwconv_every_knob_value_and_activation(hw, runner):
     tail (C not a multiple of any tile) and a partial last row tile, each with a fused activation."""
     dw = get_spec("dwconv_3x3")
     shape = {"H": 11, "W": 19, "C": 69, "stride": 1}
-    space = dw.space(shape, hw)
-    base, valid = space.valid_default(), list(space.enumerate())
-    cfgs = {tuple(sorted(base.items())): base}
-    for p in dw.params:
-        for v in p.values:
-            with_v = [c for c in valid if c[p.name] == v]
-            if not with_v:  # only a hardware limit may rule a value out
-                assert p.name in ("vec", "threads"), f"{p.name}={v} is never valid on {shape}"
-                continue
-            cfg = min(with_v, key=lambda c: space.distance(c, base))
-            cfgs.setdefault(tuple(sorted(cfg.items())), cfg)
     acts = ("none", "relu", "relu6")
-    for i, cfg in enumerate(cfgs.values()):
+    for i, cfg in enumerate(every_knob_value(dw, shape, hw)):
         _check(dw, dict(shape, stride=1 + i % 2), [cfg], hw, runner, act=acts[i % 3])
 
 
