@@ -397,16 +397,10 @@ class LLMStrategy(Strategy):
 
     def _local(self) -> Config | None:
         """The model's best unmeasured one-knob neighbour of the incumbent, a clean test of a hedged value first
-        (`_retests`). A knob the model was trained without (`mapped`) it cannot rank: every other step takes an
-        unmeasured neighbour in such a knob instead."""
+        (`_retests`). A knob the model was trained without (`mapped`) it cannot rank: every other step, retests
+        pending or not, takes an unmeasured neighbour in such a knob instead."""
         if self.best is None:
             return None
-        retests = self._retests()
-        if retests:
-            got = self._propose(1, extra=table_predicate(self.space.names, retests))
-            if got:
-                self.retested |= {(n, v) for n, v in got[0][0].items() if v != self.best[1][n]}
-                return got[0][0]
         nbrs = [c for c in self.space.neighbours(self.best[1]) if config_key(c) not in self.seen]
         if self.mapped:
             new = [c for c in nbrs if any(c[k] != self.best[1][k] for k in self.mapped)]
@@ -414,6 +408,12 @@ class LLMStrategy(Strategy):
             if new and self.local_steps % 2 == 1:
                 return self.rng.choice(new)
             nbrs = [c for c in nbrs if c not in new]
+        retests = self._retests()
+        if retests:
+            got = self._propose(1, extra=table_predicate(self.space.names, retests))
+            if got:
+                self.retested |= {(n, v) for n, v in got[0][0].items() if v != self.best[1][n]}
+                return got[0][0]
         if not nbrs:
             return None
         got = self._propose(1, extra=table_predicate(self.space.names, nbrs))
