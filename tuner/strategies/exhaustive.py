@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from edgetune.errors import BadInput
@@ -22,8 +23,8 @@ class Exhaustive(Strategy):
     def __init__(self, space: SearchSpace, seed: int = 0, *, kernel: KernelSpec | None = None,
                  limit: int = EXHAUSTIVE_LIMIT):
         super().__init__(space, seed, kernel=kernel)
-        if space.size() > limit:
-            raise BadInput(f"exhaustive refuses this space: {space.size()} valid configs, over the limit of {limit}; "
+        if sum(1 for _ in itertools.islice(space.enumerate(), limit + 1)) > limit:
+            raise BadInput(f"exhaustive refuses this space: its valid configs are over the limit of {limit}; "
                            "use --strategy anneal or random, or --budget")
         self._it = space.enumerate()
 
