@@ -24,8 +24,8 @@ from typing import Any, Callable
 import numpy as np
 
 from bench.peers.cases import PeerCase
+from bench.peers.timing import warm_up
 from kernels.specs.common import const, onnx_model
-from kernels.worker import WARMUP_MS
 
 TINY_US = 50.0  # the profiler counts whole microseconds: 2% of this
 TARGET_US = 200.0  # an R-copy graph runs about this long
@@ -242,10 +242,7 @@ class OrtPeer:
 
     def sample(self) -> None:
         lo, hi = RUNS_PER_ROUND
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < WARMUP_MS / 1e3:  # edgetune's variants get as much; profiled, in no round
-            self.sess.run(None, self._graph.feed)
-            self._runs += 1
+        self._runs += warm_up(lambda: self.sess.run(None, self._graph.feed))  # profiled, in no round
         first, t0 = self._runs, time.perf_counter()
         while self._runs - first < hi and (self._runs - first < lo or time.perf_counter() - t0 < self.min_time_s):
             self.sess.run(None, self._graph.feed)
