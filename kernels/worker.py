@@ -32,7 +32,7 @@ INNER_MIN_MS = 0.05  # a rep lasts at least this long, so clock overhead stays u
 # Calls made before the timed reps, for at least this long: a 2-thread variant's first calls wait on its pool's
 # second core waking up. On a 2-core KVM guest (AMD EPYC Zen 3) a 0.04 ms gemm ran 1.6-2.4x slow for its first
 # 30 calls after one warm-up call, and the median of 300 timed calls read up to 21% high; after ~8 ms of calls the
-# ramp was gone (scratch ramp.py, in the closing note of 2026-12-07)
+# ramp was gone. A results DB shows a ramp: the first quarter of a threads=2 variant's `wall_ms` reps over the last
 WARMUP_MS = 10.0
 RECYCLE_AFTER = 16  # distinct libraries loaded before a fresh worker (ctypes never unloads one, nor its pool)
 # The worker's numpy references run on one BLAS thread. OpenBLAS's idle threads busy-wait ~0.1 s after each call,
