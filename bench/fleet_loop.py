@@ -3,7 +3,9 @@
 A device class the committed data lacks is simulated on this machine: N real daemons whose ISA is capped (`isa =
 "x86-64"` in their config, the SSE2 baseline; the collector used x86-64-v4/v3/v2 only), so they build with
 `-march=x86-64` and time that code, as such a device would. Each tunes its share of the class's workloads (training
-shapes of every kernel, at an ISA no committed data holds) through a real mosquitto into a real `fleet serve`.
+shapes of every kernel, at an ISA no committed data holds) through a real mosquitto into a real `fleet serve`, one
+daemon after the other: a device has its cores to itself, and two daemons timing at once on this machine would
+record each other's load.
 
 0. References: for the held-out real layers of bench/real_layers.toml (`--held` per kernel; training drops every
    record of them, on every ISA and device: `tuner.train.data.is_real_heldout`), a long search on this machine
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +62,7 @@ from tests.broker import Mosquitto  # noqa: E402
 from tests.fleet_server import FleetServer  # noqa: E402
 from tests.test_daemon_support import DaemonProc, daemon_config, env_for  # noqa: E402
 from tuner.evaluate import Evaluator  # noqa: E402
+from tuner.strategies import DEFAULT_STRATEGY  # noqa: E402
 from tuner.train import data as D  # noqa: E402
 
 WITHIN = 1.05
@@ -150,27 +154,29 @@ def run_loop(a: argparse.Namespace, tmp: Path) -> dict:
         server.start()
         env = server.env
         key = edgetune(env, "fleet", "key", "create", "--out", str(tmp / "keys" / "release.key"))
-        for n in names:
+        db = Path(env["STATE_DIRECTORY"]) / "fleet.db"
+
+        def records_in(device: str) -> bool:
+            if not db.exists():
+                return False
+            with open_fleet_store(db) as s:
+                got = {r["workload"] for r in s.query("SELECT workload FROM records WHERE device_id = ?", (device,))}
+            return all(w["name"] in got for w in shares[device])
+
+        t_tune = time.time()
+        for n in names:  # one after the other: each device has its cores to itself, as in a real fleet
             (tmp / n).mkdir()
             cfg = daemon_config(tmp / n, broker, workload=workloads_toml(shares[n]), device_id=n, isa=a.isa,
                                 tuning={"budget": a.budget, "strategy": a.strategy},
                                 model_update={"trusted_keys": [key["public_key"]], "fleet_url": server.base})
             procs.append(DaemonProc(cfg, env=env_for(tmp / n, cache)).start())
-        db = Path(env["STATE_DIRECTORY"]) / "fleet.db"
-
-        def records_in() -> bool:
-            if not db.exists():
-                return False
-            with open_fleet_store(db) as s:
-                got = {(r["device_id"], r["workload"]) for r in s.query("SELECT device_id, workload FROM records")}
-            return all((n, w["name"]) in got for n in names for w in shares[n])
-
-        t_tune = time.time()
-        wait("every class workload's tuning record in the fleet DB", records_in, a.timeout)
+            wait(f"every workload's tuning record of {n} in the fleet DB", lambda: records_in(n), a.timeout)
         t_in = time.time()
         say(f"records in after {t_in - t_tune:.0f} s of tuning")
         built = edgetune(env, "fleet", "model", "build", "--where", f"isa={a.isa}",
-                         *(["--steps", str(a.steps)] if a.steps else []), timeout=a.timeout)
+                         *(["--steps", str(a.steps)] if a.steps else []),
+                         *(["--focus-share", str(a.focus_share)] if a.focus_share is not None else []),
+                         timeout=a.timeout)
         t_built = time.time()
         card = built["card"]  # `fleet model build --json` carries the registered model's card
         say(f"retrained v{built['version']} on {built['records']} fleet records in {t_built - t_in:.0f} s "
@@ -191,6 +197,10 @@ def run_loop(a: argparse.Namespace, tmp: Path) -> dict:
             + (f" ({done['reason']})" if done["reason"] else ""))
         for d in done["devices"]:
             print(f"    {d['device_id']}: {d['state']} {d['reason'] or ''} {d['detail'] or ''}", flush=True)
+        if a.json:  # beside the figures: the model to judge again (--model), its records to retrain on (`edgetune
+            #         train --records`)
+            shutil.copyfile(built["file"], beside(a.json, ".gguf"))
+            shutil.copyfile(Path(built["file"]).with_name("fleet-records.jsonl"), beside(a.json, ".records.jsonl"))
         return {"model": built["file"], "rollout": done["state"], "tuning_s": t_in - t_tune,
                 "retrain_s": t_built - t_in, "rollout_s": t_done - t_built, "loop_s": t_done - t_in,
                 "records": built["records"]}
@@ -199,6 +209,10 @@ def run_loop(a: argparse.Namespace, tmp: Path) -> dict:
             p.stop()
         server.stop()
         broker.stop()
+
+
+def beside(json_out: str, suffix: str) -> Path:
+    return Path(json_out).with_suffix(suffix)
 
 
 # ---- held-out layers and their references ------------------------------------------------------------------
@@ -342,8 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=int, default=2, help="daemons of the class (default 2)")
     ap.add_argument("--per-kernel", type=int, default=3, help="class training workloads per kernel (default 3)")
     ap.add_argument("--budget", type=int, default=20, help="evaluations per workload on the devices (default 20)")
-    ap.add_argument("--strategy", default="anneal", help="the devices' search strategy (default anneal)")
+    ap.add_argument("--strategy", default=DEFAULT_STRATEGY,
+                    help=f"the devices' search strategy (default {DEFAULT_STRATEGY}, the devices' own: their records "
+                         "hold what the shipped model proposes and what the search found beyond it)")
     ap.add_argument("--steps", type=int, help="training steps (default: the shipped recipe)")
+    ap.add_argument("--focus-share", type=float, help="share of the training draws given to the fleet's records "
+                                                        "(default: the recipe's)")
     ap.add_argument("--held", type=int, default=2, help="held-out real layers per kernel (default 2)")
     ap.add_argument("--kernels", default="", help="only these kernels' held-out layers (comma-separated)")
     ap.add_argument("--other-isa", default="", help="the other classes' ISA caps, comma-separated (default: this "
@@ -355,9 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=10, help="proposals measured per model and layer (default 10)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=7200.0, help="give up on a phase after this long")
-    ap.add_argument("--model", help="skip the loop: compare this GGUF with the bundled model")
+    ap.add_argument("--model", action="append", default=[],
+                    help="skip the loop: compare this GGUF (as 'new'; repeat for 'new2', ...) with the bundled model")
     ap.add_argument("--json", type=output_file,
-                    help="write the loop's timings, every layer's ratios and the figures here")
+                    help="write the loop's timings, every layer's ratios and the figures here (and beside it the "
+                         "new model, <name>.gguf, and the fleet's records, <name>.records.jsonl)")
     a = ap.parse_args(argv)
     from tuner.model.inference import bundled_model_path
 
@@ -372,13 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.refs_only:
             return 0
         loop = None
-        if a.model:
-            new = Path(a.model)
-        else:
+        news = [Path(m) for m in a.model]
+        if not news:
             loop = run_loop(a, Path(td))
-            new = Path(td) / "new.gguf"
-            new.write_bytes(Path(loop["model"]).read_bytes())
-        models = {"old": bundled_model_path(), "new": new}
+            news = [Path(td) / "new.gguf"]
+            news[0].write_bytes(Path(loop["model"]).read_bytes())
+        models = {"old": bundled_model_path()} | {"new" + (str(i + 1) if i else ""): p for i, p in enumerate(news)}
         say(f"old and new side by side on {len(mine)} held-out {a.isa} layers and {len(theirs)} of other classes")
         rows = compare(models, mine, a.depth, a.rounds, refs_path)
         rows_other = compare(models, theirs, a.depth, a.rounds, refs_path) if theirs else []

@@ -26,6 +26,7 @@ from fleet.rollout import (BUCKETS, Policy, duration, parse_where, percent, phas
                            select_devices)
 from fleet.signing import create_key, default_key_path, load_private_key
 from fleet.store import FleetStore
+from tuner.train import FOCUS_SHARE, check_focus_share
 
 Opener = Callable[[str | None], FleetStore]
 
@@ -54,6 +55,10 @@ def register(fs: argparse._SubParsersAction, open_store: Opener, db_arg: Callabl
     q.add_argument("--steps", type=int, help="training steps (default: the shipped model's recipe)")
     q.add_argument("--max-minutes", type=float, default=30.0, help="stop training after this long (default 30)")
     q.add_argument("--no-base", action="store_true", help="train on the fleet's records only, not the committed data")
+    q.add_argument("--focus-share", type=float, metavar="S",
+                   help=f"share of the training draws given to the fleet's records (0 to below 1; default "
+                        f"{FOCUS_SHARE}): a few dozen records beside the ~900 committed cases would barely move the "
+                        "model")
     q = verb(m, "add", "register a GGUF model file under the next version", cmd_model_add)
     q.add_argument("file", type=Path)
     q.add_argument("--note", help="a note shown in the list")
@@ -142,6 +147,8 @@ MODEL_COLUMNS = ["version", "name", "sha256", "bytes", "model version", "source"
 def cmd_model_build(args: argparse.Namespace, open_store: Opener) -> int:
     if args.steps is not None and args.steps < 1:
         raise BadInput(f"--steps {args.steps}: must be >= 1")
+    if args.focus_share is not None:
+        check_focus_share(args.focus_share)
     if not args.max_minutes > 0:  # 0 was no limit at all: a full training run
         raise BadInput(f"--max-minutes {args.max_minutes:g}: must be > 0 (default 30)")
     with open_store(args.db) as store:
@@ -152,7 +159,7 @@ def cmd_model_build(args: argparse.Namespace, open_store: Opener) -> int:
         err_console.print(f"training on the base data plus the records of "
                           f"{'every device' if devices is None else f'{len(devices)} device(s)'}; this takes minutes")
         m = registry.build(store, devices, args.out, steps=args.steps, max_minutes=args.max_minutes,
-                           no_base=args.no_base)
+                           no_base=args.no_base, focus_share=args.focus_share)
     emit(m, args.json, lambda d: console.print(
         f"built v{d['version']} ({d['size']} bytes) from {d['records']} records of {d['devices']} device(s) in "
         f"{d['seconds']:.0f} s: {d['file']}; publish it with `edgetune fleet model publish {d['version']}`",

@@ -8,7 +8,8 @@ device runs before its first release and what a rollback of the first release re
 
 `build` trains through the same entry point as `edgetune train --records` (tuner.train.train.run): the committed
 collector journal and device records are the base, and the fleet DB's records (of all devices, or of those a
-selection names) are added, exported to a JSONL file beside the model.
+selection names) are added, exported to a JSONL file beside the model, as the focus of the training (a share of its
+draws, under their own descriptors: `tuner.train.train.run`).
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def export_records(store: FleetStore, devices: list[str] | None, out: Path) -> d
 
 
 def build(store: FleetStore, devices: list[str] | None, out_dir: Path | None, *, steps: int | None,
-          max_minutes: float, no_base: bool = False) -> dict:
-    """Retrain on the base data plus the fleet's records; the new model is written to `out_dir` with its card
-    and registered. Training output goes to stderr."""
+          max_minutes: float, no_base: bool = False, focus_share: float | None = None) -> dict:
+    """Retrain on the base data plus the fleet's records, which get `focus_share` of the training draws (default:
+    the recipe's); the new model is written to `out_dir` with its card and registered. Training output goes to
+    stderr."""
     try:
         from tuner.train import data as D
         from tuner.train.train import Recipe, run
@@ -114,8 +116,11 @@ def build(store: FleetStore, devices: list[str] | None, out_dir: Path | None, *,
     data, base_records = D.base_sources(None, no_base)
     t = time.time()
     with contextlib.redirect_stdout(sys.stderr):
-        card = run([p for p in data if p.exists()], base_records + [Path(exported["path"])], out_dir,
-                   Recipe(**({"steps": steps} if steps else {})), deadline_s=max_minutes * 60)
+        recipe = Recipe(**({"steps": steps} if steps else {}),
+                        **({"focus_share": focus_share} if focus_share is not None else {}))
+        mine = Path(exported["path"])
+        card = run([p for p in data if p.exists()], base_records + [mine], out_dir, recipe,
+                   deadline_s=max_minutes * 60, focus=[mine])
     model = add(store, out_dir / card["file"], note=f"built from {exported['records']} records of "
                                                     f"{exported['devices']} device(s)", card=card, source="built")
     return {**model, "file": str(out_dir / card["file"]), "records": exported["records"],

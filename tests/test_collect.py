@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kernels.space import config_key
 from tests.polling import wait_until
 from tuner.collect import data_card, leaders_id, read_rows, shape_key
@@ -254,3 +256,66 @@ def test_rows_of_an_earlier_source_with_the_same_generic_code_stay_in_training()
     assert old != dw.source_hash() and current_kernel("dwconv_3x3", old, dw.default)
     assert not current_kernel("gemm", old, all_specs()["gemm"].default)  # an alias of one kernel's source only
     assert {c.kernel for c in load_collector(DEFAULT_DATA).values()} == set(all_specs())
+
+
+def test_the_cases_a_focus_records_file_measures_are_marked_focus_and_keep_their_descriptor(tmp_path):
+    """`edgetune train --records` and `fleet model build` train for the devices whose records they name: the cases
+    those records measure (new ones, and a base case one of them joins) are focus cases, drawn more often and never
+    under a redrawn descriptor; the base records' other cases are not."""
+    from kernels.registry import get_spec
+    from tuner.train.data import load_cases
+    from tuner.train.train import Recipe, focus_repeats, redrawn_descriptors
+
+    cfg = get_spec("gemm").default
+    epyc = {"hw_fingerprint": "epyc", "isa": "x86-64-v4", "vector_bits": 512, "cores": 2, "l2": 1 << 20}
+    xeon = {"hw_fingerprint": "xeon", "isa": "x86-64-v4", "vector_bits": 512, "cores": 2, "l2": 2 << 20}
+
+    def write(name: str, sessions: list[tuple[dict, int]]) -> Path:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"kernel": "gemm", "isa": "x86-64-v4", "shape": {"M": m}, "workload": "w",
+                                            "hw": hw, "measurements": [{"config": cfg, "ok": True, "ms": 1.0}]}) + "\n"
+                                for hw, m in sessions))
+        return path
+
+    base = write("base.jsonl", [(epyc, 8), (epyc, 12)])
+    mine = write("mine.jsonl", [(xeon, 8), (xeon, 16), (epyc, 12)])
+    cases = load_cases([], [base, mine], frozenset({mine}))[0]
+    focus = {(c.hw["hw_fingerprint"], c.shape["M"]): c.focus for c in cases.values()}
+    assert focus == {("epyc", 8): False, ("epyc", 12): True, ("xeon", 8): True, ("xeon", 16): True}
+    assert not any(c.focus for c in load_cases([], [base, mine])[0].values())
+    variants = redrawn_descriptors(list(cases.values()), Recipe())
+    assert {cases[k].hw["hw_fingerprint"] + str(cases[k].shape["M"]) for k in cases if id(cases[k]) in variants} \
+        == {"epyc8"}
+    assert focus_repeats(48, 930, 0.25) == 6  # 288 of 1218 draws, 24%
+    assert focus_repeats(3, 930, 0.25) == 103 and focus_repeats(48, 930, 0.0) == focus_repeats(0, 930, 0.25) == 1
+    assert focus_repeats(500, 100, 0.25) == 1  # already more than the share: never drawn less than once
+
+
+def test_a_device_sessions_final_rounds_rank_its_leaders_and_set_the_time_scale(tmp_path):
+    """A session's final rounds measure its leaders side by side, maybe at another speed than its search (here 2x
+    slower: another daemon was busy): the leaders are ranked by those rounds alone, the configs searched only
+    follow in the same time scale, so no search-only time outweighs them in the training targets; a later session
+    of the same case replaces the earlier one's final rounds."""
+    from kernels.registry import get_spec
+    from tuner.train.data import targets
+
+    cfg = {n: get_spec("gemm").default | {"mr": mr} for n, mr in (("a", 1), ("b", 2), ("c", 4))}
+
+    def session(sid: int, search: dict, final: dict) -> dict:
+        rows = [{"phase": "search", "config": cfg[n], "ok": True, "ms": ms} for n, ms in search.items()]
+        rows += [{"phase": "final", "config": cfg[n], "ok": True, "ms": ms} for n, v in final.items() for ms in v]
+        return {"kernel": "gemm", "isa": "x86-64-v4", "shape": {"M": 8}, "workload": "w", "id": sid,
+                "device_id": "d", "hw": {"hw_fingerprint": "d"}, "measurements": rows}
+
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(session(1, {"a": 1.0, "b": 1.1, "c": 1.05}, {"a": [2.2, 2.1], "b": [2.0, 2.05]}))
+                    + "\n")
+    (case,) = load_records(path)[0].values()
+    assert [(c["mr"], round(ms, 3)) for c, ms in case.ranked()] == [(2, 2.025), (1, 2.15), (4, 2.15)]
+    assert case.confirm_scale() == pytest.approx((2.15 / 1.0 + 2.025 / 1.1) / 2)
+    weights = [w for _, w in targets(case, 10, 0.08)]
+    assert weights[0] == max(weights) and sum(weights) == pytest.approx(1.0)
+    later = session(2, {"c": 1.0}, {"c": [1.0], "a": [1.2]})
+    path.write_text(path.read_text() + json.dumps(later) + "\n")
+    (case,) = load_records(path)[0].values()
+    assert [c["mr"] for c, _ in case.ranked()] == [4, 1, 2]  # the later final rounds alone rank the leaders

@@ -71,8 +71,10 @@ def _bench(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(1200)
-def test_references_are_cached_and_both_models_are_judged_on_the_same_rounds(tmp_path):
-    p = _bench(tmp_path, "--json", str(tmp_path / "out.json"))
+def test_references_are_cached_and_every_model_is_judged_on_the_same_rounds(tmp_path):
+    from tuner.model.inference import bundled_model_path
+
+    p = _bench(tmp_path, "--json", str(tmp_path / "out.json"), "--model", str(bundled_model_path()))
     assert p.returncode == 0, p.stderr[-3000:]
     refs = json.loads((tmp_path / "refs.json").read_text())
     assert sorted(k.split("|")[1] for k in refs) == [CLASS, "x86-64-v2"]  # one reference per ISA
@@ -81,11 +83,11 @@ def test_references_are_cached_and_both_models_are_judged_on_the_same_rounds(tmp
     rows = doc["class"] + doc["other"]
     assert [(r["isa"], r["workload"]) for r in rows] == [(CLASS, "rnnoise.vad_gru"), ("x86-64-v2", "rnnoise.vad_gru")]
     for r in rows:
-        # the same model twice: the same lists, each config measured once per round for both
-        assert r["lists"]["old"] == r["lists"]["new"] and len(r["lists"]["old"]) == 3
-        assert r["ratios"]["old"] == r["ratios"]["new"] and r["ref_ms"] > 0
+        # the same model three times: the same lists, each config measured once per round for all
+        assert r["lists"]["old"] == r["lists"]["new"] == r["lists"]["new2"] and len(r["lists"]["old"]) == 3
+        assert r["ratios"]["old"] == r["ratios"]["new"] == r["ratios"]["new2"] and r["ref_ms"] > 0
     cls = doc["figures"]["class"]
-    assert cls["old"] == cls["new"] and 1 <= cls["old"]["mean_evals"] <= 4  # a miss counts depth + 1
+    assert cls["old"] == cls["new"] == cls["new2"] and 1 <= cls["old"]["mean_evals"] <= 4  # a miss counts depth + 1
     hits = [next((i + 1 for i, x in enumerate(r["ratios"]["old"]) if x and x <= 1.05), None) for r in doc["class"]]
     assert cls["old"]["top1"] == (hits[0] == 1) and cls["old"]["top5"] == (hits[0] is not None)
     assert doc["verdict"]["half_the_evals"] is False and doc["verdict"]["no_regression"] is True

@@ -48,12 +48,15 @@ def test_key_create_where_it_cannot_write_names_the_path_and_the_fix(tmp_path):
     assert "set CONFIGURATION_DIRECTORY" in " ".join(r.stderr.split())  # stderr wraps at 200 columns
 
 
-def test_model_build_refuses_a_zero_time_limit_and_names_the_selection_as_typed(tmp_path):
+def test_model_build_refuses_a_zero_time_limit_or_a_bad_focus_share_and_names_the_selection_as_typed(tmp_path):
     db = str(fleet_db(tmp_path))
     t = time.monotonic()
     r = edgetune("fleet", "model", "build", "--max-minutes", "0", "--db", db)
     assert r.returncode == 2 and "--max-minutes 0: must be > 0" in r.stderr, r.stderr
     assert time.monotonic() - t < 60  # refused, not trained without a limit
+    for share in ("1", "-0.1", "nan"):
+        r = edgetune("fleet", "model", "build", "--focus-share", share, "--db", db)
+        assert r.returncode == 2 and f"--focus-share {share}: must be at least 0 and below 1" in r.stderr, r.stderr
     r = edgetune("fleet", "model", "build", "--where", "isa=x86-64-v2", "--db", db)
     assert r.returncode == 2 and "no device matches --where isa=x86-64-v2: nothing to train on" in r.stderr, r.stderr
 

@@ -262,6 +262,7 @@ def test_train_from_records_jsonl(tmp_path):
     (bytes(range(256)) * 8, (), "cannot be read as records"),  # a binary file that is not SQLite
     (b'{"kernel": "gemm", "measurements": []}\n', ("--steps", "0"), "--steps 0: give a positive number"),
     (b'{"kernel": "gemm", "measurements": []}\n', ("--max-minutes", "-1"), "--max-minutes -1"),
+    (b'{"kernel": "gemm", "measurements": []}\n', ("--focus-share", "1"), "--focus-share 1: must be at least 0 and below"),
     (b'{"kernel": "gemm", "measurements": []}\n', ("--out", "FILE"), "is a file"),
 ])
 def test_train_refuses_bad_input_before_training(tmp_path, records, args, needle):

@@ -283,6 +283,7 @@ def test_model_build_retrains_on_the_selected_devices_records_and_registers_the_
     assert {x["device_id"] for x in exported} == {"dev-small"} and len(exported) == 6
     card = json.loads((out / "edgetune-tuner.card.json").read_text())
     assert str(out / "fleet-records.jsonl") in card["dataset_files"] and card["training"]["steps"] == 3
+    assert card["cases"]["focus"] == card["cases"]["train"] == 6 and card["training"]["focus_share"] == 0.25
     assert built["card"] == card  # `--json` carries the card (bench/fleet_loop.py reads it there)
     with open_fleet_store(dbf) as store:
         m = rs.model(store, 2)

@@ -17,6 +17,7 @@ from edgetune.sqlite import DBError, Schema, Store, move_aside
 from kernels.active import write_active
 from tuner.resultkey import ResultKey
 
+FINAL_PHASE = "final"  # a measurement of a session's side-by-side final rounds (training ranks them apart)
 APP_ID = 0x45544E31  # "ETN1" in PRAGMA application_id: tells our DB from a foreign SQLite file
 MIGRATIONS: list[str] = [
     # v1

@@ -23,7 +23,7 @@ from kernels.space import Config, SearchSpace, config_key
 from kernels.spec import KernelSpec, Workload
 from kernels.worker import Runner
 from tuner.active import activate
-from tuner.db import ResultsDB, SessionRow
+from tuner.db import FINAL_PHASE, ResultsDB, SessionRow
 from tuner.evaluate import Evaluator, Measured
 from tuner.objective import Objective
 from tuner.resultkey import ResultKey
@@ -321,7 +321,7 @@ class Session:
                                 f"(first: {evals[0][1].reason if evals else 'none measured'})")
         finalists = pick_finalists(ok, default)
         searched = {config_key(c): m for c, m in ok}
-        final = self.remeasure(spec, wl, finalists, session_id, "final", objective=objective,
+        final = self.remeasure(spec, wl, finalists, session_id, FINAL_PHASE, objective=objective,
                                prior=[searched.get(config_key(c)) for c in finalists], evaluator=ev)
         if objective.fallback_reason:  # a finalist's window was refused: rank them all by latency
             for m in final:

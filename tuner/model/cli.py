@@ -15,6 +15,7 @@ from edgetune.output import console, emit, fmt, json_flag, table
 from kernels.registry import get_spec
 from kernels.space import format_config
 from kernels.workloads import resolve
+from tuner.train import FOCUS_SHARE, check_focus_share
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="train on the records only (not the committed journal and device records)")
     p.add_argument("--out", help="output dir (default: <state dir>/models)")
     p.add_argument("--steps", type=int, help="training steps (default: the shipped model's recipe)")
+    p.add_argument("--focus-share", type=float, default=FOCUS_SHARE, metavar="S",
+                   help=f"share of the training draws given to the cases of --records, the devices the model is for "
+                        f"(0 to below 1; default {FOCUS_SHARE})")
     p.add_argument("--max-minutes", type=float, default=30.0)
     json_flag(p)
     p.set_defaults(func=cmd_train)
@@ -107,6 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise BadInput(f"--steps {args.steps}: give a positive number of training steps (or leave it out)")
     if args.max_minutes <= 0:
         raise BadInput(f"--max-minutes {args.max_minutes:g}: give a positive time limit")
+    check_focus_share(args.focus_share)
     for r in args.records:
         if not Path(r).is_file():
             raise BadInput(f"records file {r} not found")
@@ -120,9 +125,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     data, records = D.base_sources(args.data, args.no_base)
     t = time.time()
     with contextlib.redirect_stdout(sys.stderr):  # progress goes to stderr; stdout stays the result (--json)
-        card = run([p for p in data if p.exists()], records + [Path(r) for r in args.records], out,
-                   Recipe(**({"steps": args.steps} if args.steps else {})),
-                   deadline_s=args.max_minutes * 60)
+        mine = [Path(r) for r in args.records]
+        card = run([p for p in data if p.exists()], records + mine, out,
+                   Recipe(**({"steps": args.steps} if args.steps else {}), focus_share=args.focus_share),
+                   deadline_s=args.max_minutes * 60, focus=mine)
     res = {"model": str(out / card["file"]), "version": card["version"], "bytes": card["bytes"],
            "heldout": card["heldout"], "seconds": round(time.time() - t, 1)}
     emit(res, args.json, lambda d: print(f"wrote {d['model']} (version {d['version']}, {d['bytes']} bytes) in "

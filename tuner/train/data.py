@@ -21,6 +21,7 @@ from typing import Iterable, Iterator
 from edgetune.errors import BadInput
 from hwprobe.descriptor import vector_registers
 from kernels.space import config_key
+from tuner.db import FINAL_PHASE, ResultsDB
 from tuner.model.prompt import ISA_VECTOR_BITS
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "quantized_models" / "data" / "runs.jsonl.gz"
@@ -51,7 +52,7 @@ class Case:
     confirmation: str | None = None  # the leaders' id of those re-measurements (None: a journal from before ids)
     configs: dict[str, dict] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
-    phases: dict[str, str] = field(default_factory=dict)
+    focus: bool = False  # measured by a focus records file (`load_cases`): the devices the model is built for
 
     @property
     def problem(self) -> tuple:
@@ -67,18 +68,29 @@ class Case:
 
     @property
     def n_measured(self) -> int:
-        """Ok measurements held (a config measured twice counts twice)."""
-        return sum(len(v) for v in self.ms.values())
+        """Ok measurements held, confirmations included (a config measured twice counts twice)."""
+        return sum(len(v) for v in self.ms.values()) + sum(len(v) for v in self.confirm_ms.values())
 
     def ranked(self) -> list[tuple[dict, float]]:
-        """Configs, fastest first. Leaders measured again side by side (`phase=confirm`) come first, ranked by
-        those rounds alone: they are comparable with each other, while the first measurements span hours of host
-        drift (the same configs ran a median 1.64x slower at confirmation than at collection, unevenly), so mixing
-        the two would rank configs by when they were measured."""
+        """Configs, fastest first, in the confirmation rounds' time scale. Leaders measured again side by side
+        (`phase=confirm`: the collector's confirmation, a device session's final rounds) come first, ranked by those
+        rounds alone: they are comparable with each other, while the first measurements span hours of host drift
+        (the same configs ran a median 1.64x slower at confirmation than at collection, unevenly), so mixing the two
+        would rank configs by when they were measured. The others follow, their times scaled by `confirm_scale`
+        (never faster than the slowest leader): training weights and histories compare times across the two."""
         t = self.table()
         confirmed = sorted(((k, statistics.median(v)) for k, v in self.confirm_ms.items() if v), key=lambda kv: kv[1])
-        rest = sorted(((k, ms) for k, ms in t.items() if k not in self.confirm_ms), key=lambda kv: kv[1])
+        scale, floor = self.confirm_scale(), confirmed[-1][1] if confirmed else 0.0
+        rest = sorted(((k, max(ms * scale, floor)) for k, ms in t.items() if k not in self.confirm_ms),
+                      key=lambda kv: kv[1])
         return [(self.configs[k], ms) for k, ms in confirmed + rest]
+
+    def confirm_scale(self) -> float:
+        """Confirmation time over first-pass time, the median over the leaders measured in both (1 if none): a
+        device's final rounds can run at another speed than its search (another load, another clock)."""
+        t = self.table()
+        ratios = [statistics.median(v) / t[k] for k, v in self.confirm_ms.items() if v and t.get(k)]
+        return statistics.median(ratios) if ratios else 1.0
 
     def best_ms(self) -> float:
         return min(self.table().values())
@@ -206,7 +218,6 @@ def add_measurement(cases: dict, kernel: str, isa: str, shape: dict, workload: s
         c.confirmation, c.confirm_ms = leaders, {}
     k = config_key(cfg)
     c.configs.setdefault(k, dict(cfg))
-    c.phases.setdefault(k, phase)
     if ok and ms and ms > 0 and math.isfinite(ms):
         (c.confirm_ms if phase == "confirm" else c.ms).setdefault(k, []).append(float(ms))
     else:
@@ -219,8 +230,6 @@ def iter_record_sources(path: Path) -> Iterable[dict]:
     with open(path, "rb") as f:
         head = f.read(16)
     if head.startswith(b"SQLite format 3"):
-        from tuner.db import ResultsDB
-
         db = ResultsDB(path)
         try:
             yield from db.iter_records()
@@ -268,6 +277,7 @@ def load_records(path: Path, cases: dict | None = None, heldout: set | None = No
         if heldout and problem_key(rec["kernel"], isa, shape) in heldout:
             continue
         hw = rec.get("hw") or hw_cache.get(isa) or hw_cache.setdefault(isa, _local_hw(isa))
+        session = f"{rec.get('device_id', '')}/{rec.get('id', n)}/{rec.get('started_at', '')}"
         if isinstance(hw, dict) and "caches" in hw:  # a full HwDescriptor dict
             from hwprobe.descriptor import HwDescriptor
 
@@ -275,15 +285,17 @@ def load_records(path: Path, cases: dict | None = None, heldout: set | None = No
 
             hw = hw_summary(HwDescriptor.from_dict(hw))
         for m in rec["measurements"]:
+            final = m.get("phase") == FINAL_PHASE  # the session's side-by-side rounds: its confirmation
             add_measurement(cases, rec["kernel"], isa, shape, rec.get("workload", ""), "train", hw,
-                            m["config"], bool(m.get("ok")), m.get("ms"), m.get("phase", ""),
-                            source_hash=rec.get("source_hash"))
+                            m["config"], bool(m.get("ok")), m.get("ms"), "confirm" if final else m.get("phase", ""),
+                            session if final else None, source_hash=rec.get("source_hash"))
     return cases, n
 
 
-def load_cases(data: list[Path], records: list[Path]) -> tuple[dict, str, int, int, int]:
+def load_cases(data: list[Path], records: list[Path], focus: frozenset[Path] = frozenset()
+               ) -> tuple[dict, str, int, int, int]:
     """(cases, dataset sha256, record sessions, measurements they added, cases from the journals) of the collector
-    journals and then the tuning records."""
+    journals and then the tuning records; a case that a records file in `focus` measures is marked `focus`."""
     cases: dict = {}
     h = hashlib.sha256()
     for p in data:
@@ -295,7 +307,10 @@ def load_cases(data: list[Path], records: list[Path]) -> tuple[dict, str, int, i
     n_sessions, from_journal, measured = 0, len(cases), 0
     for p in records:
         before = sum(c.n_measured for c in cases.values())
+        counts = {k: c.n_measured for k, c in cases.items()}
         _, n = load_records(p, cases, heldout)
+        for k, c in cases.items():
+            c.focus |= p in focus and c.n_measured > counts.get(k, 0)
         added = sum(c.n_measured for c in cases.values()) - before  # a record of a journal case's problem on the
         #                                                             same device joins that case
         if not added:

@@ -29,6 +29,7 @@ from kernels.registry import all_specs
 from kernels.space import config_key, table_predicate
 from tuner.model.inference import MODEL_NAME, PROMPT_FORMAT
 from tuner.model.prompt import HISTORY_MAX, completion_text, prompt_text
+from tuner.train import FOCUS_SHARE, check_focus_share
 from tuner.train import data as D
 from tuner.train.data import HwView as _HwView
 from tuner.train.gguf_export import quantize_q8_0, write_f16
@@ -69,6 +70,7 @@ class Recipe:
     hw_mix: float = 0.5  # share of training prompts whose unvaried descriptor fields are redrawn (hw_variants)
     histories: int = 6  # measured histories drawn per training case (data.sample_history)
     hist_mix: float = 0.5  # share of training prompts that carry one (the session's later proposals do)
+    focus_share: float = FOCUS_SHARE  # share of training draws given to the focus records' cases (`focus_repeats`)
 
 
 # Edge devices' descriptor values, for the fields the collection machine never varied (a sample of plausible
@@ -95,6 +97,25 @@ def hw_variants(hw: dict, rng: random.Random, n: int = HW_VARIANTS) -> list[dict
     return [hw | {"l1d": rng.choice(EDGE_L1D), "l2": rng.choice(EDGE_L2), "l3": rng.choice(EDGE_L3),
                   "cores": rng.choice(EDGE_CORES), "bandwidth_gbps": rng.choice(EDGE_BANDWIDTH_GBPS)}
             for _ in range(n)]
+
+
+def focus_repeats(n_focus: int, n_other: int, share: float) -> int:
+    """How often each focus case enters a pass over the cases, so that the focus cases make up about `share` of the
+    draws (never fewer than once).
+
+    The focus records are the devices a model is built for (`edgetune train --records`, `fleet model build`): a
+    fleet class's few dozen sessions beside ~900 committed cases would otherwise be 2-5% of the draws, too few to
+    move the model on that class (quantized_models/data/recipe-trials.md: focus)."""
+    if not n_focus or not n_other or share <= 0:
+        return 1
+    return max(1, round(share * n_other / ((1 - share) * n_focus)))
+
+
+def redrawn_descriptors(cases: list[D.Case], recipe: Recipe) -> dict[int, list[dict]]:
+    """`hw_variants` of every case but the focus ones (seeded): a focus case's descriptor is a real device's, and
+    what it implies for the timings is what the model is built to learn."""
+    rng = random.Random(recipe.seed)
+    return {id(c): hw_variants(c.hw, rng) for c in cases if not c.focus} if recipe.hw_mix > 0 else {}
 
 
 def spaces_meta(kernels: Iterable[str] | None = None) -> dict:
@@ -166,7 +187,7 @@ def encode_cases(sp, examples, variants: dict[int, list[dict]], histories: dict[
             left = D.targets(case, r.top, r.tau, {config_key(c) for c, _ in h})
             if left:
                 hist.append(encoded(h, left))
-        items.append({"prompts": prompts, "branches": encoded_branches, "hist": hist})
+        items.append({"prompts": prompts, "branches": encoded_branches, "hist": hist, "focus": case.focus})
     return items
 
 
@@ -205,17 +226,19 @@ def pack(items: list[dict]) -> tuple[torch.Tensor, ...]:
 
 
 def train_model(items: list[dict], cfg: Config, *, steps: int, batch: int, lr: float, seed: int, hw_mix: float = 0.0,
-                hist_mix: float = 0.0, log_every: int = 25, deadline_s: float | None = None
+                hist_mix: float = 0.0, focus_share: float = 0.0, log_every: int = 25, deadline_s: float | None = None
                 ) -> tuple[TinyLlama, list[float]]:
-    """AdamW over shuffled batches of cases; each case is trained under one of its measured histories with
-    probability `hist_mix` (else with none), and under one of its redrawn descriptors with probability `hw_mix`,
-    else under its own."""
+    """AdamW over shuffled batches of cases, the focus cases repeated in each pass (`focus_repeats`); each case is
+    trained under one of its measured histories with probability `hist_mix` (else with none), and under one of its
+    redrawn descriptors with probability `hw_mix`, else under its own."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = TinyLlama(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    n = len(items)
-    order = list(range(n))
+    n_focus = sum(1 for it in items if it.get("focus"))
+    reps = focus_repeats(n_focus, len(items) - n_focus, focus_share)
+    order = [i for i, it in enumerate(items) for _ in range(reps if it.get("focus") else 1)]
+    n = len(order)
     losses = []
     t0 = time.time()
     pos_i = n
@@ -308,19 +331,25 @@ def evaluate_heldout(gguf_path: Path, held: list[D.Case], k: int = 5) -> dict:
 
 
 def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = Recipe(), *,
-        deadline_s: float | None, name: str = MODEL_NAME) -> dict:
+        deadline_s: float | None, name: str = MODEL_NAME, focus: Iterable[Path] = ()) -> dict:
+    """Train and ship a model from `data` (collector journals) and `records`; the cases that the `focus` records
+    (some of `records`) measure get `recipe.focus_share` of the draws and keep their own descriptor: they are the
+    devices the model is for, and their descriptor is what tells the model that their timings differ."""
     t_all = time.time()
     r = recipe
+    check_focus_share(r.focus_share, "focus_share")
     torch.set_num_threads(r.threads)
-    cases, dataset_sha, n_sessions, measured, from_journal = D.load_cases(data, records)
+    cases, dataset_sha, n_sessions, measured, from_journal = D.load_cases(data, records, frozenset(focus))
     train, held = D.split_cases(cases)
     if not train:
         raise SystemExit("no training cases in the data")
     examples = D.training_examples(train, top=r.top, tau=r.tau)
-    print(f"cases: {len(train)} train, {len(held)} held-out; {len(examples)} weighted examples; "
-          f"{n_sessions} record sessions ({measured} measurements; {len(cases) - from_journal} new cases)", flush=True)
-    hw_rng = random.Random(r.seed)
-    variants = {id(c): hw_variants(c.hw, hw_rng) for c in train + held} if r.hw_mix > 0 else {}
+    n_focus = sum(c.focus for c in train)
+    print(f"cases: {len(train)} train ({n_focus} focus, each drawn "
+          f"{focus_repeats(n_focus, len(train) - n_focus, r.focus_share)}x), {len(held)} held-out; {len(examples)} "
+          f"weighted examples; {n_sessions} record sessions ({measured} measurements; "
+          f"{len(cases) - from_journal} new cases)", flush=True)
+    variants = redrawn_descriptors(train + held, r)
     histories = draw_histories(train, r.histories, r.seed) if r.hist_mix > 0 else {}
     proto = train_tokenizer(build_corpus(train, held, variants, histories), r.vocab)
     sp = load_sp(proto)
@@ -333,11 +362,11 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
                  ctx=max(128, 2 ** math.ceil(math.log2(longest + 8))))
     print(f"tokenizer: {cfg.vocab} pieces; longest sequence {longest} tokens; model {cfg}", flush=True)
     model, losses = train_model(items, cfg, steps=r.steps, batch=r.batch, lr=r.lr, seed=r.seed, hw_mix=r.hw_mix,
-                                hist_mix=r.hist_mix, deadline_s=deadline_s)
+                                hist_mix=r.hist_mix, focus_share=r.focus_share, deadline_s=deadline_s)
     version = f"{time.strftime('%Y%m%d')}-{dataset_sha[:8]}-{hashlib.sha256(json.dumps(cfg.to_dict()).encode()).hexdigest()[:6]}"
     training = {"steps": len(losses), "batch": r.batch, "lr": r.lr, "top": r.top, "tau": r.tau, "seed": r.seed,
                 "hw_mix": r.hw_mix, "hw_variants": HW_VARIANTS if r.hw_mix > 0 else 0, "histories": r.histories,
-                "hist_mix": r.hist_mix,
+                "hist_mix": r.hist_mix, "focus_share": r.focus_share,
                 "final_loss": float(np.mean(losses[-50:])), "threads": r.threads, "arch": cfg.to_dict()}
     scorer = fit_scorer(train)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -364,7 +393,7 @@ def run(data: list[Path], records: list[Path], out_dir: Path, recipe: Recipe = R
                                  "sorted keys, in file order), then the bytes of any --records files",
         "dataset_files": [os.path.relpath(p, OUT_DIR.parent) if Path(p).resolve().is_relative_to(OUT_DIR.parent)
                           else str(p) for p in data + records],
-        "cases": {"train": len(train), "heldout": len(held), "examples": len(examples)},
+        "cases": {"train": len(train), "focus": n_focus, "heldout": len(held), "examples": len(examples)},
         "tokenizer": {"type": "sentencepiece BPE", "pieces": cfg.vocab, "add_space_prefix": False},
         "training": training, "training_seconds": round(time.time() - t_all, 1),
         "agreement": {"f16": agree_f16, "q8_0": agree_q8},
@@ -397,7 +426,8 @@ def refresh_card(out_dir: Path, data: list[Path], name: str = MODEL_NAME) -> dic
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", action="append", help=f"collector JSONL(.gz) (default: {D.DEFAULT_DATA})")
-    ap.add_argument("--records", action="append", default=[], help="results DB or JSONL records to add")
+    ap.add_argument("--records", action="append", default=[], help="results DB or JSONL records of the devices the model is for: "
+                                                                    "their cases get --focus_share of the draws")
     ap.add_argument("--no-base", action="store_true",
                     help="train on --records only (not the committed journal and device records)")
     ap.add_argument("--out", default=str(OUT_DIR))
@@ -414,7 +444,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         refresh_card(Path(a.out), data)
         return 0
     recipe = Recipe(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Recipe)})
-    run(data, records + [Path(p) for p in a.records], Path(a.out), recipe, deadline_s=a.max_minutes * 60)
+    mine = [Path(p) for p in a.records]
+    run(data, records + mine, Path(a.out), recipe, deadline_s=a.max_minutes * 60, focus=mine)
     return 0
 
 
