@@ -77,10 +77,11 @@ class Case:
         rounds alone: they are comparable with each other, while the first measurements span hours of host drift
         (the same configs ran a median 1.64x slower at confirmation than at collection, unevenly), so mixing the two
         would rank configs by when they were measured. The others follow, their times scaled by `confirm_scale`
-        (never faster than the slowest leader): training weights and histories compare times across the two."""
+        (never faster than the fastest leader; a slower leader, such as the default a session always re-measures,
+        does not bound them): training weights and histories compare times across the two."""
         t = self.table()
         confirmed = sorted(((k, statistics.median(v)) for k, v in self.confirm_ms.items() if v), key=lambda kv: kv[1])
-        scale, floor = self.confirm_scale(), confirmed[-1][1] if confirmed else 0.0
+        scale, floor = self.confirm_scale(), confirmed[0][1] if confirmed else 0.0
         rest = sorted(((k, max(ms * scale, floor)) for k, ms in t.items() if k not in self.confirm_ms),
                       key=lambda kv: kv[1])
         return [(self.configs[k], ms) for k, ms in confirmed + rest]
