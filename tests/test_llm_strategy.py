@@ -18,7 +18,7 @@ from kernels.registry import get_spec
 from kernels.space import config_key
 from tuner.db import ResultsDB
 from tuner.strategies.llm import (
-    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, PATIENCE, RETEST_WITHIN, SETTLE, STRATEGY_VERSION, WARM, LLMStrategy, _PROPOSERS,
+    ALWAYS_HEDGE, DEFAULT_K, EXPLORE_AWAY, FAR_HEDGE, PATIENCE, RETEST_WITHIN, SETTLE, STRATEGY_VERSION, WARM, LLMStrategy, _PROPOSERS,
     evidence_bias, hedged, shape_distance,
 )
 from tuner.model.inference import default_model_path
@@ -335,6 +335,34 @@ def test_a_hedge_gives_up_a_near_duplicate_rather_than_a_diverse_pick(hw):
     out = s._always_hedged(batch, {0})
     assert out[0] == top and len(out) == 4 and len({c["vec"] for c in out}) == 2, out
     assert [c for c in batch if c not in out] == [twin]
+
+
+def test_the_tile_width_hedge_reaches_two_steps_from_the_top_pick(hw):
+    """nv (FAR_HEDGE) gets a hedge two or more steps from the top pick's value even where the batch already holds
+    an adjacent one, in place of a near-duplicate; where the constraints allow no such value, the adjacent one;
+    with `far=()` an adjacent value in the batch is hedge enough."""
+    space = GEMM.space(GEMM.workload("mobilenetv2.b2.expand").shape, hw)
+    s = LLMStrategy(space, 0, kernel=GEMM, always_hedge=("nv",))
+    top = s._propose(1)[0][0]
+    values = space.param("nv").values
+
+    def steps(c: dict) -> int:
+        return abs(values.index(c["nv"]) - values.index(top["nv"]))
+
+    twin = next(c for c in space.neighbours(top) if steps(c) == 1)
+    rest = [c for c in space.sample(400, random.Random(1))
+            if steps(c) == 0 and all(space.distance(c, o) >= 4 for o in (top, twin))][:2]
+    batch = [top, twin, *rest]
+    assert FAR_HEDGE == ("nv",) and len(rest) == 2 and max(map(steps, batch)) == 1
+    out = s._always_hedged(batch, {0})
+    assert out[0] == top and len(out) == len(batch) and max(map(steps, out)) >= 2, out
+    assert LLMStrategy(space, 0, kernel=GEMM, always_hedge=("nv",), far=())._always_hedged(batch, {0}) == batch
+
+    narrow = GEMM.space({"M": 64, "N": 8, "K": 64}, hw)  # (nv - 1) * vec < N with vec >= 4: nv is 1 or 2
+    s = LLMStrategy(narrow, 0, kernel=GEMM, always_hedge=("nv",))
+    top = s._propose(1)[0][0]
+    same = [c for c in narrow.sample(200, random.Random(2)) if c["nv"] == top["nv"] and c != top][:3]
+    assert {c["nv"] for c in s._always_hedged([top, *same], {0})} == {1, 2}
 
 
 def test_the_first_batch_holds_one_of_the_devices_earlier_winners(hw):

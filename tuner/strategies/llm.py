@@ -6,13 +6,15 @@
    knobs whose probability mass is split (thread count, vector width, tile shape: whichever the model doubts for
    this prompt) each get a config holding the runner-up value, so one wrong guess cannot sink the whole batch; the
    vector width, gru's parallel split and the register tile's width are hedged however sure the model is, since
-   there a model can be sure and wrong by 1.2-2x (ALWAYS_HEDGE). Such a hedge costs the config nearest another one
-   of the batch (a near-duplicate tells least), not a diverse pick. One more such slot goes to a winner this
-   device found before on another shape of the kernel (the results DB's, `warm_start`; on a retune, the shape's
-   own last one too), the one the model ranks first among them: on silicon the model never saw, the device's own
-   history holds configs the model's pool misses. That history also settles a hedge: where the device's earlier
-   winners of the kernel all hold the top pick's value of an always-hedged knob (SETTLE or more of them), the
-   batch keeps the model's next config instead of a config with the other value.
+   there a model can be sure and wrong by 1.2-2x (ALWAYS_HEDGE); the GEMM tile's width (nv) is hedged two or
+   more steps from the top pick's, since a wider register file's best tile often is (FAR_HEDGE). Such a hedge
+   costs the config nearest another one of the batch (a near-duplicate tells least), not a diverse pick. One more
+   such slot goes to a winner this device found before on another shape of the kernel (the results DB's,
+   `warm_start`; on a retune, the shape's own last one too), the one the model ranks first among them: on
+   silicon the model never saw, the device's own history holds configs the model's pool misses. That history
+   also settles a hedge: where the device's earlier winners of the kernel all hold the top pick's value of an
+   always-hedged knob (SETTLE or more of them), the batch keeps the model's next config instead of a config with
+   the other value.
 2. Then each batch is steered by what was measured: the model is prompted with the measured configs and their
    relative times (`tuner.model.prompt.history_text`; it is trained on such histories), and each knob value gets
    a log-weight from the evidence (the best time among configs holding it, relative to the best of all: a value
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FALLBACK_SUFFIX = "-anneal-fallback"  # on the version of a session that ran anneal for want of a usable model
-STRATEGY_VERSION = "13"  # bumped when the first batch, the steering or the stop changes: results are keyed by it
+STRATEGY_VERSION = "14"  # bumped when the first batch, the steering or the stop changes: results are keyed by it
 # the first batch: 5 beat 4 at 5, 10 and 20 evals on the 18 real held-out layers in two runs (@5 geomean 1.07 vs
 # 1.09 and 1.11 vs 1.14): the fifth hedge is worth more than the first steered step
 DEFAULT_K = 5
@@ -71,6 +73,15 @@ UNSURE = 0.85  # a knob whose leading value holds under this share of the top co
 # with idle BLAS threads (kernels.worker.ONE_BLAS_THREAD), a sure model's threads=2 held up, and the slot it freed
 # did better (35 real layers, two seeds: @5 within 5% 77-80% vs 71-74% with threads hedged too)
 ALWAYS_HEDGE = ("vec", "par", "nv", "cv", "fv")
+# always-hedged knobs whose hedge reaches two or more steps from the top pick's value (the adjacent one when none
+# two away is valid), even where the batch already holds an adjacent one: the register tile's width on a wider
+# register file. On the unseen Intel host (AVX-512, 32 vector registers) conv1d's best tiles hold nv = 3-4 where the
+# model's first batch held nv = 1-2. 35 real layers, budget 10, side by side with the adjacent hedge (seeds 51-53,
+# load 0.9-2.1): the session without a budget (auto, 7 evals) 1.050 / 74% within 5% vs 1.060 / 63%, 1.055 / 69% vs
+# 1.070 / 57%, 1.062 / 63% vs 1.065 / 54%; @10 77 / 71 / 71% vs 69 / 69 / 60%; conv1d @10 67-83% vs 17-33%. It
+# costs conv2d_3x3 at 5 evals (50 / 33 / 50% vs 67 / 50 / 67%; level at 10), and a hedge of the value only where the
+# batch has a single one kept conv1d at 33% (quantized_models/data/recipe-trials.md)
+FAR_HEDGE = ("nv",)
 HEDGE_POOL = 3  # the first batch is hedged from the model's exact top-(3k): top-15 costs 10 ms CPU p50, 22 p95 on
 #                 the 35 real held-out layers at idle (top-10: 10 / 17; top-5: 9 / 14), and sets the p95 of a
 #                 budget-10 session's calls (20 ms at load 1-2); a pool of 2 was within 5% on fewer layers at
@@ -214,7 +225,7 @@ class LLMStrategy(Strategy):
                  model_path: Path | None = None, proposer: Any = None, patience: int = PATIENCE,
                  evidence: float = EVIDENCE_WEIGHT, history: bool = True,
                  always_hedge: tuple[str, ...] = ALWAYS_HEDGE, hedge_pool: int = HEDGE_POOL, rescore: bool = True,
-                 retest: bool = True, warm: str = WARM, settle: int = SETTLE):
+                 retest: bool = True, warm: str = WARM, settle: int = SETTLE, far: tuple[str, ...] = FAR_HEDGE):
         super().__init__(space, seed, kernel=kernel)
         self.k = k
         self.patience = patience
@@ -223,6 +234,7 @@ class LLMStrategy(Strategy):
         self.always_hedge = tuple(always_hedge)  # knobs the first batch holds two values of, however sure
         self.hedge_pool = hedge_pool  # the first batch is hedged from the model's exact top-(hedge_pool * k)
         self.rescore = rescore  # that pool in the scorer's order (False: the model's own)
+        self.far = tuple(far)  # always-hedged knobs whose hedge holds a value two or more steps from the top pick's
         self.retest = retest  # local steps first test each hedged value on the incumbent itself
         self.retested: set[tuple[str, Any]] = set()  # (knob, value) so tested: once per session
         if warm not in WARM_CHOICES:
@@ -320,20 +332,32 @@ class LLMStrategy(Strategy):
 
     def _always_hedged(self, batch: list[Config], fixed: set[int]) -> list[Config]:
         """The batch, with a config swapped in (one per knob) for the model's best one holding another value of
-        each always-hedged knob that the batch lacks (when the constraints allow one)."""
+        each always-hedged knob that the batch lacks (when the constraints allow one); for a `far` knob, a value
+        two or more steps from the top pick's, which an adjacent value in the batch does not stand in for."""
         for name in self.always_hedge:
-            if not batch or name not in self.space.names or len({c[name] for c in batch}) > 1:
+            if not batch or name not in self.space.names:
                 continue
             top = batch[0][name]
-            if self._settled(name, top):
-                log.info("no %s hedge: this device's %d earlier winners all hold %s=%s", name, len(self.known),
-                         name, top)
-                continue
-            alt = self._propose(1, extra=lambda c, n=name, v=top: n not in c or c[n] != v, exclude=self.seen | {
-                config_key(c) for c in batch})
-            if alt:
-                batch = self._swap_in(batch, fixed, alt[0][0])
+            for away in self._hedge_values(name, top):
+                if any(c[name] in away for c in batch):
+                    break
+                if self._settled(name, top):
+                    log.info("no %s hedge: this device's %d earlier winners all hold %s=%s", name, len(self.known),
+                             name, top)
+                    break
+                alt = self._propose(1, extra=lambda c, n=name, a=away: n not in c or c[n] in a,
+                                    exclude=self.seen | {config_key(c) for c in batch}) if away else []
+                if alt:
+                    batch = self._swap_in(batch, fixed, alt[0][0])
+                    break
         return batch
+
+    def _hedge_values(self, name: str, top: Any) -> list[set]:
+        """The values a hedge of knob `name` may hold, in the order tried: for a `far` knob those two or more steps
+        from `top` first; then every other value."""
+        vals = self.space.param(name).values
+        return [{v for v in vals if abs(vals.index(v) - vals.index(top)) >= step}
+                for step in ((2, 1) if name in self.far else (1,))]
 
     def _settled(self, name: str, value: Any) -> bool:
         """The device's earlier winners of the kernel (`warm_start`) say `name=value`: at least `settle` of them,
