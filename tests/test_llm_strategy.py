@@ -436,8 +436,8 @@ def test_the_devices_winners_settle_a_hedge(hw):
         return {c["vec"] for c in got}
 
     assert SETTLE >= 2 and widths(agree) == {top["vec"]}
-    assert len(widths([])) == len(widths(agree[:SETTLE - 1])) == len(widths(agree + [other])) \
-        == len(widths(agree, settle=0)) == 2
+    kept = [widths([]), widths(agree[:SETTLE - 1]), widths(agree + [other]), widths(agree, settle=0)]
+    assert all(len(w) >= 2 for w in kept), kept  # the hedge (and a dissenting winner may add its own width)
 
 
 def test_shape_distance_is_the_sum_of_log_size_ratios():

@@ -415,7 +415,8 @@ def test_proposals_hold_across_devices_the_data_never_described(proposer):
     their bandwidth is measured yet, not a random shift per device. On the 2026-12-01 data (two hosts) a model
     trained without redrawn descriptors kept its top-1 between these two devices in 58 of the 72 held-out cases
     (top-5 overlap 4.35 of 5), the model trained with them in 65 (4.64); on the 2026-12-04 tile-swept data the
-    shipped model keeps it in 60 (4.32), a seed-1 model of the same recipe in 52 (3.96). The cores stay 2, so the
+    model of then kept it in 60 (4.32), a seed-1 model of the same recipe in 52 (3.96); with the Intel host's records
+    (2026-12-07) the shipped model keeps it in 59 (4.39). The cores stay 2, so the
     spaces (threads <= cores) are the same."""
     from tuner.train import data as D
 
