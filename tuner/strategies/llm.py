@@ -76,10 +76,10 @@ ALWAYS_HEDGE = ("vec", "par", "nv", "cv", "fv")
 # always-hedged knobs whose hedge reaches two or more steps from the top pick's value (the adjacent one when none
 # two away is valid), even where the batch already holds an adjacent one: the register tile's width on a wider
 # register file. On the unseen Intel host (AVX-512, 32 vector registers) conv1d's best tiles hold nv = 3-4 where the
-# model's first batch held nv = 1-2. 35 real layers, budget 10, side by side with the adjacent hedge (seeds 51-53,
-# load 0.9-2.1): the session without a budget (auto, 7 evals) 1.050 / 74% within 5% vs 1.060 / 63%, 1.055 / 69% vs
-# 1.070 / 57%, 1.062 / 63% vs 1.065 / 54%; @10 77 / 71 / 71% vs 69 / 69 / 60%; conv1d @10 67-83% vs 17-33%. It
-# costs conv2d_3x3 at 5 evals (50 / 33 / 50% vs 67 / 50 / 67%; level at 10), and a hedge of the value only where the
+# model's first batch held nv = 1-2. 35 real layers, budget 10, side by side with the adjacent hedge (seeds 52-54,
+# load 1.0-2.1): the session without a budget (auto, 7 evals) 1.055 / 69% within 5% vs 1.070 / 57%, 1.062 / 63% vs
+# 1.065 / 54%, 1.056 / 60% vs 1.065 / 49%; @10 71 / 71 / 71% vs 69 / 60 / 54%; conv1d @10 67-83% vs 17-33%. It
+# costs conv2d_3x3 at 5 evals (33 / 50 / 50% vs 50 / 67 / 50%; level at 10), and a hedge of the value only where the
 # batch has a single one kept conv1d at 33% (quantized_models/data/recipe-trials.md). Beside an adjacent value the
 # far one is no sole hedge (`_sole_hedges`), so the device's earlier winner may take its slot: keeping it from that
 # read level with the adjacent hedge (seed 54: auto 54% vs 54%; as shipped, 60% vs 49%)
