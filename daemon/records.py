@@ -24,10 +24,7 @@ def record_id(device_id: str, session_id: int, key: str, started_at: float) -> s
 
 
 def build(db: ResultsDB, session_id: int, rid: str, device_id: str, hw: Any, model: dict | None) -> dict:
-    info = db.session_info(session_id)
-    same_hw = info["hw_fingerprint"] == hw.hw_fingerprint
-    return {"record_id": rid, "device_id": device_id, **info, "hw": hw.to_dict() if same_hw else None,
-            "model": model, "measurements": db.measurements(session_id)}
+    return {"record_id": rid, "device_id": device_id, **db.record(session_id, hw), "model": model}
 
 
 def sweep(db: ResultsDB, store: DaemonStore, publisher: Publisher, device_id: str, hw: Any,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import os
@@ -555,6 +556,31 @@ def test_tune_report_pin_verify_export_cli(tmp_path):
     out = tmp_path / "active.json"
     assert _cli("export", "--format", "json", "-o", str(out)).returncode == 0
     assert "gemm/kws_dscnn.fc" in json.loads(out.read_text())["kernels"]
+
+
+def test_export_records_carry_this_device_at_each_sessions_isa(tmp_path):
+    """`export --format records`: one line per session with its measurements and this device's descriptor at the
+    session's ISA (the cap is part of the fingerprint), gzipped for a .gz name, read back by the training loader
+    with the session's own descriptor rather than the reading machine's."""
+    from tuner.train import data as D
+
+    for extra in ((), ("--isa", "x86-64-v2")):
+        p = _cli("tune", "--kernel", "gemm", "--workload", "kws_dscnn.fc", "--budget", "2", "--strategy", "random",
+                 *extra, "--json")
+        assert p.returncode == 0, p.stderr
+    out = tmp_path / "records.jsonl.gz"
+    p = _cli("export", "--format", "records", "-o", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"written": str(out), "format": "records", "entries": 2}
+    records = [json.loads(line) for line in gzip.open(out, "rt")]
+    assert [r["isa"] for r in records][1] == "x86-64-v2" and len({r["hw_fingerprint"] for r in records}) == 2
+    for r in records:
+        assert r["hw"]["hw_fingerprint"] == r["hw_fingerprint"] and r["hw"]["isa"] == r["isa"]
+        assert r["state"] == "done" and r["measurements"] and all("config" in m for m in r["measurements"])
+    cases, n = D.load_records(out)
+    assert n == 2 and {c.isa for c in cases.values()} == {records[0]["isa"], "x86-64-v2"}
+    plain = _cli("export", "--format", "records")
+    assert plain.returncode == 0 and [json.loads(line) for line in plain.stdout.splitlines()] == records
 
 
 def test_c_header_export_compiles_a_kernel(tmp_path, hw, runner):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     json_flag(p)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("export", help="export active configs as JSON or a C header for firmware builds")
-    p.add_argument("--format", choices=["json", "c-header"], default="json")
-    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+    p = sub.add_parser("export", help="export active configs as JSON or a C header for firmware builds, or every "
+                                      "tuning session as records for training")
+    p.add_argument("--format", choices=["json", "c-header", "records"], default="json",
+                   help="records: one JSON line per tuning session with its measurements and this device's "
+                        "descriptor (what `edgetune train --records` reads on any machine)")
+    p.add_argument("-o", "--output", help="file to write (default: stdout; records to a .gz name are gzipped)")
     json_flag(p)
     p.set_defaults(func=cmd_export)
 
@@ -370,7 +374,27 @@ def drift_status(ok: bool, drift: float | None, threshold: float) -> str:
     return "ok"
 
 
+def _export_records(args: argparse.Namespace) -> int:
+    """The results DB's sessions as tuning records, each carrying this device's descriptor at its ISA (probed once
+    per ISA), so the times mean the same to a trainer on another machine."""
+    probed: dict[str, Any] = {}
+    records = list(ResultsDB().iter_records(lambda isa: probed.get(isa) or probed.setdefault(isa, _hw(isa))))
+    text = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records)
+    if args.output:
+        data = text.encode()
+        write_output(Path(args.output), gzip.compress(data) if args.output.endswith(".gz") else data)
+        emit({"written": args.output, "format": "records", "entries": len(records)}, args.json,
+             lambda d: print(f"wrote {d['entries']} tuning record(s) to {d['written']}"))
+    elif args.json:
+        emit({"format": "records", "entries": len(records), "records": records}, True)
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format == "records":
+        return _export_records(args)
     doc = ResultsDB().active_document()
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n" if args.format == "json" else to_c_header(doc)
     if args.output:

@@ -10,7 +10,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from edgetune import paths
 from edgetune.sqlite import DBError, Schema, Store, move_aside
@@ -207,12 +207,19 @@ class ResultsDB(Store):
         d["ok"] = bool(d["ok"])
         return d
 
-    def iter_records(self) -> Iterator[dict]:
-        """Every finished or interrupted session with all its measurements: the training-data export."""
-        for r in self.query("SELECT id FROM sessions ORDER BY id"):
-            info = self.session_info(r["id"])
-            info["measurements"] = self.measurements(r["id"])
-            yield info
+    def record(self, session_id: int, hw: Any = None) -> dict:
+        """One session with all its measurements: a tuning record. `hw` (an HwDescriptor) joins it as `hw` where the
+        session was measured on that device (same hw_fingerprint, which the ISA cap is part of), so a trainer on
+        another machine reads the device the times belong to; otherwise `hw` is None."""
+        info = self.session_info(session_id)
+        same = hw is not None and info["hw_fingerprint"] == hw.hw_fingerprint
+        return {**info, "hw": hw.to_dict() if same else None, "measurements": self.measurements(session_id)}
+
+    def iter_records(self, hw_at: Callable[[str], Any] | None = None) -> Iterator[dict]:
+        """Every session with all its measurements, oldest first: the training-data export. `hw_at(isa)` is this
+        device's descriptor at a session's ISA (`record`)."""
+        for r in self.query("SELECT id, isa FROM sessions ORDER BY id"):
+            yield self.record(r["id"], hw_at(r["isa"]) if hw_at else None)
 
     # ---- active configs ------------------------------------------------------------------------------------
 
