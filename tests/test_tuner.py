@@ -26,7 +26,7 @@ from kernels.space import config_key
 from kernels.spec import C_DIR
 from edgetune.sqlite import DBError
 from hwprobe.compiler import CompilerMissing
-from tuner.db import ResultsDB
+from tuner.db import ResultsDB, default_path
 from tuner.evaluate import interleave_plan
 from tuner.grammar import GrammarError, export_grammar, validate
 from tuner.resultkey import ResultKey, result_key
@@ -581,6 +581,12 @@ def test_export_records_carry_this_device_at_each_sessions_isa(tmp_path):
     assert n == 2 and {c.isa for c in cases.values()} == {records[0]["isa"], "x86-64-v2"}
     plain = _cli("export", "--format", "records")
     assert plain.returncode == 0 and [json.loads(line) for line in plain.stdout.splitlines()] == records
+
+    with sqlite3.connect(default_path()) as c:  # a session of an ISA this CPU does not offer
+        c.execute("UPDATE sessions SET isa='armv8.2-a' WHERE isa='x86-64-v2'")
+    p = _cli("export", "--format", "records", "--json")
+    assert p.returncode == 0, p.stderr
+    assert [r["hw"] is None for r in json.loads(p.stdout)["records"]] == [False, True]
 
 
 def test_c_header_export_compiles_a_kernel(tmp_path, hw, runner):

@@ -378,7 +378,16 @@ def _export_records(args: argparse.Namespace) -> int:
     """The results DB's sessions as tuning records, each carrying this device's descriptor at its ISA (probed once
     per ISA), so the times mean the same to a trainer on another machine."""
     probed: dict[str, Any] = {}
-    records = list(ResultsDB().iter_records(lambda isa: probed.get(isa) or probed.setdefault(isa, _hw(isa))))
+
+    def hw_at(isa: str) -> Any:
+        if isa not in probed:
+            try:
+                probed[isa] = _hw(isa)
+            except BadInput:  # an ISA this CPU does not offer (a DB from another device): no descriptor to give
+                probed[isa] = None
+        return probed[isa]
+
+    records = list(ResultsDB().iter_records(hw_at))
     text = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records)
     if args.output:
         data = text.encode()
