@@ -573,7 +573,7 @@ def test_export_records_carry_this_device_at_each_sessions_isa(tmp_path):
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {"written": str(out), "format": "records", "entries": 2}
     records = [json.loads(line) for line in gzip.open(out, "rt")]
-    assert [r["isa"] for r in records][1] == "x86-64-v2" and len({r["hw_fingerprint"] for r in records}) == 2
+    assert records[1]["isa"] == "x86-64-v2" and len({r["hw_fingerprint"] for r in records}) == 2
     for r in records:
         assert r["hw"]["hw_fingerprint"] == r["hw_fingerprint"] and r["hw"]["isa"] == r["isa"]
         assert r["state"] == "done" and r["measurements"] and all("config" in m for m in r["measurements"])
@@ -587,6 +587,12 @@ def test_export_records_carry_this_device_at_each_sessions_isa(tmp_path):
     p = _cli("export", "--format", "records", "--json")
     assert p.returncode == 0, p.stderr
     assert [r["hw"] is None for r in json.loads(p.stdout)["records"]] == [False, True]
+
+    with sqlite3.connect(default_path()) as c:  # a session still running: exported once it ends, as the daemon does
+        c.execute("UPDATE sessions SET state='running' WHERE isa='armv8.2-a'")
+    p = _cli("export", "--format", "records", "--json")
+    assert p.returncode == 0, p.stderr
+    assert [r["isa"] for r in json.loads(p.stdout)["records"]] == [records[0]["isa"]]
 
 
 def test_c_header_export_compiles_a_kernel(tmp_path, hw, runner):

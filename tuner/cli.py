@@ -98,9 +98,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("export", help="export active configs as JSON or a C header for firmware builds, or every "
-                                      "tuning session as records for training")
+                                      "ended tuning session as records for training")
     p.add_argument("--format", choices=["json", "c-header", "records"], default="json",
-                   help="records: one JSON line per tuning session with its measurements and this device's "
+                   help="records: one JSON line per ended tuning session with its measurements and this device's "
                         "descriptor (what `edgetune train --records` reads on any machine)")
     p.add_argument("-o", "--output", help="file to write (default: stdout; records to a .gz name are gzipped)")
     json_flag(p)
@@ -388,14 +388,15 @@ def _export_records(args: argparse.Namespace) -> int:
         return probed[isa]
 
     records = list(ResultsDB().iter_records(hw_at))
+    if args.json and not args.output:
+        emit({"format": "records", "entries": len(records), "records": records}, True)
+        return 0
     text = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records)
     if args.output:
         data = text.encode()
         write_output(Path(args.output), gzip.compress(data) if args.output.endswith(".gz") else data)
         emit({"written": args.output, "format": "records", "entries": len(records)}, args.json,
              lambda d: print(f"wrote {d['entries']} tuning record(s) to {d['written']}"))
-    elif args.json:
-        emit({"format": "records", "entries": len(records), "records": records}, True)
     else:
         print(text, end="")
     return 0

@@ -216,10 +216,11 @@ class ResultsDB(Store):
         return {**info, "hw": hw.to_dict() if same else None, "measurements": self.measurements(session_id)}
 
     def iter_records(self, hw_at: Callable[[str], Any] | None = None) -> Iterator[dict]:
-        """Every session with all its measurements, oldest first: the training-data export. `hw_at(isa)` is this
+        """Every ended session with all its measurements, oldest first: the training-data export, the sessions the
+        daemon publishes (a running one would be read half-measured, and again once it ends). `hw_at(isa)` is this
         device's descriptor at a session's ISA (`record`)."""
-        for r in self.query("SELECT id, isa FROM sessions ORDER BY id"):
-            yield self.record(r["id"], hw_at(r["isa"]) if hw_at else None)
+        for s in self.ended_sessions():
+            yield self.record(s.id, hw_at(s.result_key.isa) if hw_at else None)
 
     # ---- active configs ------------------------------------------------------------------------------------
 

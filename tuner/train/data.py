@@ -248,7 +248,8 @@ def is_session(rec: object) -> bool:
 def check_records(path: Path) -> tuple[int, int]:
     """(sessions, other JSON records) in a records file, read before minutes of training are spent on it: a file
     that is neither a results DB nor JSONL records, or holds no session, is BadInput naming it."""
-    fix = "give a results DB (results.db) or a JSONL export of tuning records (`edgetune fleet export-records`)"
+    fix = ("give a results DB (results.db) or a JSONL export of tuning records (`edgetune export --format records` "
+           "on a device, `edgetune fleet export-records` on the fleet server)")
     sessions = other = 0
     try:
         for rec in iter_record_sources(path):
