@@ -593,6 +593,7 @@ def test_export_records_carry_this_device_at_each_sessions_isa(tmp_path):
     p = _cli("export", "--format", "records", "--json")
     assert p.returncode == 0, p.stderr
     assert [r["isa"] for r in json.loads(p.stdout)["records"]] == [records[0]["isa"]]
+    assert D.check_records(default_path()) == (2, 0)  # a trainer reading the DB itself keeps its measurements
 
 
 def test_c_header_export_compiles_a_kernel(tmp_path, hw, runner):

@@ -69,6 +69,7 @@ class SessionRow:
     result_key: ResultKey | None = None
 
 
+ENDED = "state IN ('done', 'failed', 'interrupted')"  # a session that ended: published, exported
 RESET_FIX = "run `edgetune report --reset` to move it aside (nothing is deleted) and start fresh"
 
 
@@ -151,8 +152,7 @@ class ResultsDB(Store):
     def ended_sessions(self) -> list[SessionRow]:
         """Sessions that ended (done, failed or interrupted), oldest first: what the daemon publishes as tuning
         records."""
-        return [self._session(r) for r in self.query("SELECT * FROM sessions WHERE state IN ('done', 'failed', "
-                                                      "'interrupted') ORDER BY id")]
+        return [self._session(r) for r in self.query(f"SELECT * FROM sessions WHERE {ENDED} ORDER BY id")]
 
     def _session(self, r: sqlite3.Row) -> SessionRow:
         rkey = ResultKey(r["kernel"], r["source_hash"], r["workload"], r["shape_json"], r["hw_fingerprint"], r["isa"],
@@ -215,12 +215,14 @@ class ResultsDB(Store):
         same = hw is not None and info["hw_fingerprint"] == hw.hw_fingerprint
         return {**info, "hw": hw.to_dict() if same else None, "measurements": self.measurements(session_id)}
 
-    def iter_records(self, hw_at: Callable[[str], Any] | None = None) -> Iterator[dict]:
+    def iter_records(self, hw_at: Callable[[str], Any] | None = None, *, running: bool = False) -> Iterator[dict]:
         """Every ended session with all its measurements, oldest first: the training-data export, the sessions the
-        daemon publishes (a running one would be read half-measured, and again once it ends). `hw_at(isa)` is this
-        device's descriptor at a session's ISA (`record`)."""
-        for s in self.ended_sessions():
-            yield self.record(s.id, hw_at(s.result_key.isa) if hw_at else None)
+        daemon publishes (a running one would be exported half-measured, and again once it ends). With `running`,
+        also the sessions still running or left so by a crash: a trainer reading the DB itself keeps their
+        measurements. `hw_at(isa)` is this device's descriptor at a session's ISA (`record`)."""
+        where = "" if running else f" WHERE {ENDED}"
+        for r in self.query(f"SELECT id, isa FROM sessions{where} ORDER BY id"):
+            yield self.record(r["id"], hw_at(r["isa"]) if hw_at else None)
 
     # ---- active configs ------------------------------------------------------------------------------------
 

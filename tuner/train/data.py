@@ -1,7 +1,7 @@
 """Training data: tuning measurements grouped into cases (kernel, ISA, shape), from any of three sources.
 
 - the collector's JSONL journal (`python -m tuner.collect`, committed as quantized_models/data/runs.jsonl.gz);
-- a results DB (`ResultsDB.iter_records()`: sessions with their measurements);
+- a results DB (`ResultsDB.iter_records(running=True)`: every session with its measurements);
 - a JSONL export of such records (one session per line, as the fleet writes them).
 
 No torch here: the bench and the model card use it too.
@@ -233,7 +233,7 @@ def iter_record_sources(path: Path) -> Iterable[dict]:
     if head.startswith(b"SQLite format 3"):
         db = ResultsDB(path)
         try:
-            yield from db.iter_records()
+            yield from db.iter_records(running=True)
         finally:
             db.close()
         return
